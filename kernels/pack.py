@@ -25,11 +25,8 @@ from ztriton.kernels.copy import (
     _gather_tile_kernel,
 )
 
-__all__ = ["Piece", "copy_chunk", "pack", "pack_slices", "run_plan"]
+__all__ = ["Piece", "Plan", "Tuning", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices", "run_plan"]
 
-# Word-copy tuning: bytes a program moves per loop step and at most in all (one table row).
-_STEP_BYTES = 16 * 1024
-_CHUNK_BYTES = 64 * 1024
 _TILE_P = 64
 _TILE_C = 64
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -132,14 +129,16 @@ def _word_unit(*values: int) -> int:
     return unit
 
 
-def _segment_rows(src_addr: int, dst_addr: int, nbytes: int, rows: dict[int, list[tuple[int, int, int]]]) -> None:
+def _segment_rows(src_addr: int, dst_addr: int, nbytes: int, base: int,
+                  rows: dict[int, list[tuple[int, int, int]]]) -> None:
     """Split one byte segment into (src, dst, nbytes) parts of one word class each.
 
     Source and destination can share a 16-byte phase only if their difference is a multiple of 16;
     the head up to the first aligned destination byte and the tail after the last whole word go to
-    narrower classes. ``src_addr == 0`` is a zero fill, which only the destination constrains.
+    narrower classes. ``src_addr == 0`` is a zero fill, which only the destination constrains. The
+    kernel addresses dst in words from ``base``, so a word may not be wider than base's alignment.
     """
-    phase_unit = _word_unit(src_addr - dst_addr) if src_addr else 16
+    phase_unit = _word_unit(src_addr - dst_addr, base) if src_addr else _word_unit(base)
     head = min(nbytes, (-dst_addr) % phase_unit)
     body = (nbytes - head) // phase_unit * phase_unit
     parts = ((0, head), (head, body), (head + body, nbytes - head - body))
@@ -147,25 +146,25 @@ def _segment_rows(src_addr: int, dst_addr: int, nbytes: int, rows: dict[int, lis
         if length:
             s = src_addr + skip if src_addr else 0
             d = dst_addr + skip
-            rows.setdefault(_word_unit(s or d, d, length), []).append((s, d, length))
+            rows.setdefault(_word_unit(s or d, d, length, base), []).append((s, d, length))
 
 
-def _word_table(parts: list[tuple[int, int, int]], unit: int, dst_addr: int) -> torch.Tensor:
-    """Rows ``[src_addr, dst word offset, words]`` with each part cut into chunks of _CHUNK_BYTES."""
+def _word_table(parts: list[tuple[int, int, int]], unit: int, dst_addr: int, chunk_bytes: int) -> torch.Tensor:
+    """Rows ``[src_addr, dst word offset, words]`` with each part cut into chunks of ``chunk_bytes``."""
     word = 8 if unit == 16 else unit
     src, dst, nbytes = torch.tensor(parts, dtype=torch.int64).unbind(1)
-    chunks = (nbytes + _CHUNK_BYTES - 1) // _CHUNK_BYTES
+    chunks = (nbytes + chunk_bytes - 1) // chunk_bytes
     part = torch.repeat_interleave(torch.arange(len(parts)), chunks)
     first_chunk = torch.cumsum(chunks, 0) - chunks
-    skip = (torch.arange(len(part)) - first_chunk[part]) * _CHUNK_BYTES
-    length = torch.clamp(nbytes[part] - skip, max=_CHUNK_BYTES)
+    skip = (torch.arange(len(part)) - first_chunk[part]) * chunk_bytes
+    length = torch.clamp(nbytes[part] - skip, max=chunk_bytes)
     src_col = torch.where(src[part] == 0, 0, src[part] + skip)
     dst_col = (dst[part] + skip - dst_addr) // word
     return torch.stack([src_col, dst_col, length // word], dim=1).contiguous()
 
 
-def _strided_descriptor(piece: Piece) -> list[int]:
-    """The gather descriptor of a strided piece: see copy.DESC_ROW and _gather_tile_kernel."""
+def _strided_descriptor(piece: Piece, dst_first: int) -> list[int]:
+    """The gather descriptor of a strided piece (copy.DESC_ROW); dst_first: dst's element offset in its storage."""
     sizes, strides = _merged_dims(piece.src)
     if len(sizes) > MAX_DIMS:
         raise ValueError(f"a source with {len(sizes)} non-mergeable dims exceeds the {MAX_DIMS} the "
@@ -183,7 +182,7 @@ def _strided_descriptor(piece: Piece) -> list[int]:
         if candidates:
             p_dim = min(candidates, key=lambda d: (strides[d], -d))
     order = [d for d in range(MAX_DIMS - 1) if d != p_dim] + [p_dim, MAX_DIMS - 1]
-    return ([piece.src.data_ptr(), piece.offset - piece.start] + [sizes[d] for d in order]
+    return ([piece.src.data_ptr(), dst_first + piece.offset - piece.start] + [sizes[d] for d in order]
             + [strides[d] for d in order] + [weights[d] for d in order])
 
 
@@ -198,7 +197,7 @@ def _tile_class(desc: list[int], piece: Piece, dst: torch.Tensor) -> tuple[bool,
     sizes = desc[2:2 + MAX_DIMS]
     strides = desc[2 + MAX_DIMS:2 + 2 * MAX_DIMS]
     weights = desc[2 + 2 * MAX_DIMS:]
-    values = [desc[0] // itemsize, dst.data_ptr() // itemsize + desc[1], piece.start, piece.start + piece.count,
+    values = [desc[0] // itemsize, dst.untyped_storage().data_ptr() // itemsize + desc[1], piece.start, piece.start + piece.count,
               sizes[-2], sizes[-1], weights[-2]]
     values += [s for d, s in enumerate(strides) if s != 1 and sizes[d] > 1]
     align = _word_unit(*(v * itemsize for v in values)) // itemsize
@@ -237,11 +236,31 @@ def _tile_rows(index: int, desc: list[int], piece: Piece) -> torch.Tensor:
     ], dim=1)
 
 
-def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = ()) -> None:
-    """Copy every piece into ``dst`` and write zeros over ``zero_ranges`` (``(offset, count)``).
+@dataclass(frozen=True)
+class Tuning:
+    """Launch parameters: bytes a word-copy program moves per loop step and per table row, warps."""
 
-    Validates everything first: on any error nothing has been written.
+    step_bytes: int = 16 * 1024
+    chunk_bytes: int = 64 * 1024
+    num_warps: int = 4
+
+
+@dataclass
+class Plan:
+    """Launches that carry out one copy; reusable while its tensors stay where they are.
+
+    It keeps the source tensors referenced: the tables name them only by address.
     """
+
+    launches: list
+    keep_alive: list
+
+    def launch(self) -> None:
+        for kernel, grid, args, kwargs in self.launches:
+            kernel[grid](*args, **kwargs)
+
+
+def _validate(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]]) -> None:
     _check_dst(dst)
     extent = _byte_extent(dst)
     for i, piece in enumerate(pieces):
@@ -252,9 +271,20 @@ def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[t
     _check_disjoint([(p.offset, p.offset + p.count, f"sources[{i}]") for i, p in enumerate(pieces)]
                     + [(o, o + c, "a pad range") for o, c in zero_ranges])
 
+
+def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
+              tuning: Tuning = Tuning()) -> Plan:
+    """Validate, then build the launches that copy every piece into ``dst`` and zero ``zero_ranges``.
+
+    ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
+    """
+    _validate(dst, pieces, zero_ranges)
     itemsize = dst.element_size()
-    flat_dst = dst.reshape(-1).view(torch.uint8)
-    base = dst.data_ptr()
+    # Kernels address dst from the start of its storage, which the allocator aligns, so that an
+    # offset view of a buffer still gets 16-byte words wherever its elements allow them.
+    storage = torch.empty(0, dtype=torch.uint8, device=dst.device).set_(dst.untyped_storage())
+    base = storage.data_ptr()
+    first = dst.data_ptr()
     word_parts: dict[int, list[tuple[int, int, int]]] = {}
     descriptors, tiles = [], {}
     for piece in pieces:
@@ -262,30 +292,37 @@ def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[t
             continue
         address = _contiguous_address(piece)
         if address is not None:
-            _segment_rows(address, base + piece.offset * itemsize, piece.count * itemsize, word_parts)
+            _segment_rows(address, first + piece.offset * itemsize, piece.count * itemsize, base, word_parts)
         else:
-            desc = _strided_descriptor(piece)
+            desc = _strided_descriptor(piece, dst.storage_offset())
             rows = _tile_rows(len(descriptors), desc, piece)
             tiles.setdefault(_tile_class(desc, piece, dst), []).append(rows)
             descriptors.append(desc)
     for offset, count in zero_ranges:
         if count:
-            _segment_rows(0, base + offset * itemsize, count * itemsize, word_parts)
+            _segment_rows(0, first + offset * itemsize, count * itemsize, base, word_parts)
 
+    launches = []
     for unit, parts in sorted(word_parts.items()):
-        table = _word_table(parts, unit, base).to(dst.device)
+        table = _word_table(parts, unit, base, tuning.chunk_bytes).to(dst.device)
         word_bytes = 8 if unit == 16 else unit
-        _copy_words_kernel[(table.shape[0],)](
-            table, flat_dst, WORD=_WORD_DTYPES[unit], VEC=unit // word_bytes,
-            BLOCK=_STEP_BYTES // word_bytes, num_warps=4)
+        launches.append((_copy_words_kernel, (table.shape[0],), (table, storage), dict(
+            WORD=_WORD_DTYPES[unit], VEC=unit // word_bytes, BLOCK=tuning.step_bytes // word_bytes,
+            num_warps=tuning.num_warps)))
     if tiles:
         desc_table = torch.tensor(descriptors, dtype=torch.int64).to(dst.device)
     for (p_unit, c_unit, align), rows in sorted(tiles.items()):
         tile_table = torch.cat(rows).to(dst.device)
         if tile_table.shape[0]:
-            _gather_tile_kernel[(tile_table.shape[0],)](
-                tile_table, desc_table, flat_dst, WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS,
-                BLOCK_P=_TILE_P, BLOCK_C=_TILE_C, P_UNIT=p_unit, C_UNIT=c_unit, ALIGN=align, num_warps=4)
+            launches.append((_gather_tile_kernel, (tile_table.shape[0],), (tile_table, desc_table, storage), dict(
+                WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS, BLOCK_P=_TILE_P, BLOCK_C=_TILE_C,
+                P_UNIT=p_unit, C_UNIT=c_unit, ALIGN=align, num_warps=4)))
+    return Plan(launches, [dst, *(p.src for p in pieces)])
+
+
+def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = ()) -> None:
+    """Copy every piece into ``dst`` and write zeros over ``zero_ranges``: :func:`make_plan`, launched."""
+    make_plan(dst, pieces, zero_ranges).launch()
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,6 +364,13 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
     flat buffer. Every element of the window is written exactly once. Returns ``dst``.
     """
+    pack_plan(dst, sources, offsets, window).launch()
+    return dst
+
+
+def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+              window: tuple[int, int] | None = None, tuning: Tuning = Tuning()) -> Plan:
+    """The :class:`Plan` of :func:`pack`, to launch later or again."""
     _check_dst(dst)
     if len(sources) != len(offsets):
         raise ValueError(f"got {len(sources)} sources but {len(offsets)} offsets")
@@ -339,6 +383,9 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
             raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__}")
         if offset < 0:
             raise ValueError(f"offsets[{i}]={offset} is negative")
+        if window is None and offset + src.numel() > dst.numel():
+            raise ValueError(f"sources[{i}]: destination range [{offset}, {offset + src.numel()}) does not "
+                             f"fit in dst of {dst.numel()} elements")
         lo, hi = max(offset, w0), min(offset + src.numel(), w1)
         if lo < hi:
             pieces.append(Piece(src, lo - offset, hi - lo, lo - w0))
@@ -346,8 +393,7 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
         else:  # still validated, so that a bad source is reported whichever window is asked for
             pieces.append(Piece(src, 0, 0, 0))
     _check_disjoint([(o, o + s.numel(), f"sources[{i}]") for i, (s, o) in enumerate(zip(sources, offsets))])
-    run_plan(dst, pieces, _gaps(covered, 0, w1 - w0))
-    return dst
+    return make_plan(dst, pieces, _gaps(covered, 0, w1 - w0), tuning)
 
 
 def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:

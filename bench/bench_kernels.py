@@ -1,0 +1,206 @@
+"""Kernel bandwidth against torch, on one GPU: ``python bench/bench_kernels.py [--out DIR]``.
+
+Cases (DESIGN.md / the kernels issue): a >= 1 GiB contiguous copy; packs with 16-byte param pads and
+tail alignment of (a) 200 x 32 MiB, (b) 2,000 log-uniform 4 KiB..64 MiB and (c) the 8.6 GiB LLM mix,
+each against torch copy bandwidth and, for (c), DeepSpeed's on-device flatten; one rank's 1/8 window
+of (b); a transposed 32768 x 32768 bf16 source. Bytes counted are read plus written. Every result is
+checked bit for bit before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
+from ztriton.kernels import Tuning, copy_chunk, pack_plan  # noqa: E402
+from ztriton.layout import zero12_group_layout  # noqa: E402
+
+DTYPE = torch.bfloat16
+WORLD = 8
+
+
+def llm_mix() -> list[list[int]]:
+    return [[4096, 4096]] * 200 + [[4096]] * 400 + [[151936, 4096]] * 2
+
+
+def log_uniform_mix(count=2000, lo=4 << 10, hi=64 << 20, seed=0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    nbytes = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
+    return [[max(1, int(b) // 2)] for b in nbytes.tolist()]
+
+
+def make_params(shapes) -> list[torch.Tensor]:
+    return [torch.randn(s, device="cuda", dtype=torch.float32).to(DTYPE) for s in shapes]
+
+
+def group_layout(params):
+    layout = zero12_group_layout([p.numel() for p in params], WORLD, element_size=2, parameter_alignment=True)
+    return layout, [layout.offsets[layout.order.index(i)] for i in range(len(params))]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+
+
+def deepspeed_flatten(params, layout):
+    """DeepSpeed 0.19.8's on-device flatten: params plus fresh pad tensors, aligned, torch.cat."""
+    try:
+        from deepspeed.runtime.utils import align_dense_tensors
+    except Exception:  # same code as deepspeed.runtime.utils.align_dense_tensors
+        def align_dense_tensors(tensor_list, alignment):
+            remaining = sum(t.numel() for t in tensor_list) % alignment
+            pad = [torch.zeros(alignment - remaining, dtype=tensor_list[0].dtype, device=tensor_list[0].device)]
+            return tensor_list + pad if remaining else tensor_list
+    from torch._utils import _flatten_dense_tensors
+
+    ordered = [params[i] for i in layout.order]
+    padded = []
+    for t, pad in zip(ordered, layout.paddings):
+        padded.append(t)
+        if pad:
+            padded.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
+    return _flatten_dense_tensors(align_dense_tensors(padded, 2 * WORLD))
+
+
+def bench_pack(name, shapes, figures, copy_bw, sweep):
+    params = make_params(shapes)
+    layout, offsets = group_layout(params)
+    flat = torch.empty(layout.total_numel, dtype=DTYPE, device="cuda")
+    plan = pack_plan(flat, params, offsets)
+    plan.launch()
+    reference = deepspeed_flatten(params, layout)
+    assert same_bits(flat, reference), f"{name}: pack differs from DeepSpeed's flatten"
+    del reference
+    nbytes = 2 * sum(p.numel() * 2 for p in params) + 2 * (layout.total_numel - sum(p.numel() for p in params))
+    ms = time_ms(plan.launch)
+    entry = {"tensors": len(params), "gib": layout.total_numel * 2 / 2**30, "kernel_ms": ms,
+             "kernel_gbps": gbps(nbytes, ms), "ratio_to_copy": gbps(nbytes, ms) / copy_bw}
+    entry["end_to_end_ms"] = time_ms(lambda: pack_plan(flat, params, offsets).launch(), warmup_ms=10, rep_ms=100)
+    ds_ms = time_ms(lambda: deepspeed_flatten(params, layout), warmup_ms=10, rep_ms=100)
+    entry["deepspeed_ms"] = ds_ms
+    entry["speedup_vs_deepspeed_kernel"] = ds_ms / ms
+    entry["speedup_vs_deepspeed_end_to_end"] = ds_ms / entry["end_to_end_ms"]
+    out = torch.empty(sum(p.numel() for p in params), dtype=DTYPE, device="cuda")
+    cat_ms = time_ms(lambda: torch.cat([p.reshape(-1) for p in params], out=out), warmup_ms=10, rep_ms=100)
+    entry["torch_cat_out_ratio_to_copy"] = gbps(4 * out.numel(), cat_ms) / copy_bw
+    del out
+    if sweep:
+        entry["sweep"] = []
+        for step in (8 << 10, 16 << 10, 32 << 10):
+            for chunk in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
+                for warps in (4, 8):
+                    if chunk < step:
+                        continue
+                    tuning = Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)
+                    p = pack_plan(flat, params, offsets, tuning=tuning)
+                    t = time_ms(p.launch, warmup_ms=10, rep_ms=60)
+                    entry["sweep"].append({"step": step, "chunk": chunk, "warps": warps,
+                                           "ratio_to_copy": gbps(nbytes, t) / copy_bw})
+        best = max(entry["sweep"], key=lambda r: r["ratio_to_copy"])
+        entry["sweep_best"] = best
+    figures[name] = entry
+    print(f"{name:28s} {entry['ratio_to_copy']:.3f}x copy  ({entry['kernel_gbps']:.0f} GB/s, {ms:.2f} ms; "
+          f"end-to-end {entry['end_to_end_ms']:.2f} ms; DeepSpeed {ds_ms:.2f} ms)", flush=True)
+    return params, layout, offsets
+
+
+def bench_window(params, layout, offsets, figures, copy_bw):
+    rank = 3
+    w0, w1 = layout.rank_window(rank)
+    out = torch.empty(w1 - w0, dtype=DTYPE, device="cuda")
+    plan = pack_plan(out, params, offsets, window=(w0, w1))
+    plan.launch()
+    flat = torch.empty(layout.total_numel, dtype=DTYPE, device="cuda")
+    pack_plan(flat, params, offsets).launch()
+    assert same_bits(out, flat[w0:w1]), "window differs from the full pack"
+    del flat
+    ms = time_ms(plan.launch)
+    nbytes = 2 * out.numel() * 2
+    # torch's best: _foreach_copy_ of the same slices into views of the rank buffer.
+    srcs, dsts = [], []
+    for i, p in enumerate(params):
+        lo, hi = max(offsets[i], w0), min(offsets[i] + p.numel(), w1)
+        if lo < hi:
+            srcs.append(p.reshape(-1)[lo - offsets[i]:hi - offsets[i]])
+            dsts.append(out[lo - w0:hi - w0])
+    foreach_ms = time_ms(lambda: torch._foreach_copy_(dsts, srcs))
+    figures["window_b_rank3_of_8"] = {"mib": out.numel() * 2 / 2**20, "kernel_ms": ms, "kernel_gbps": gbps(nbytes, ms),
+                                      "ratio_to_copy": gbps(nbytes, ms) / copy_bw,
+                                      "foreach_copy_ratio_to_copy": gbps(nbytes, foreach_ms) / copy_bw}
+    print(f"{'window (b), 1/8':28s} {gbps(nbytes, ms) / copy_bw:.3f}x copy  (_foreach_copy_ "
+          f"{gbps(nbytes, foreach_ms) / copy_bw:.3f}x)", flush=True)
+
+
+def bench_contiguous(figures, copy_bw):
+    n = (1 << 30) // 2
+    src = torch.randn(n, device="cuda").to(DTYPE)
+    dst = torch.empty_like(src)
+    copy_chunk(src, dst)
+    assert same_bits(dst, src)
+    ms = time_ms(lambda: copy_chunk(src, dst))
+    torch_ms = time_ms(lambda: dst.copy_(src))
+    figures["contiguous_1gib"] = {"kernel_ms": ms, "torch_ms": torch_ms, "ratio_to_copy": torch_ms / ms}
+    print(f"{'contiguous 1 GiB':28s} {torch_ms / ms:.3f}x torch copy_", flush=True)
+
+
+def bench_transposed(figures, copy_bw):
+    base = torch.randn(32768, 32768, device="cuda").to(DTYPE)
+    src = base.t()
+    out = torch.empty(src.numel(), dtype=DTYPE, device="cuda")
+    copy_chunk(src, out)
+    assert same_bits(out, src.contiguous())
+    nbytes = 2 * src.numel() * 2
+    ms = time_ms(lambda: copy_chunk(src, out))
+    contiguous_ms = time_ms(lambda: src.contiguous())
+    copy_ms = time_ms(lambda: out.view(32768, 32768).copy_(src))
+    slice_out = torch.empty(src.numel() // 8, dtype=DTYPE, device="cuda")
+    start = 3 * slice_out.numel() + 5
+    copy_chunk(src, slice_out, start)
+    assert same_bits(slice_out, src.reshape(-1)[start:start + slice_out.numel()])
+    slice_ms = time_ms(lambda: copy_chunk(src, slice_out, start))
+    figures["transposed_32768sq_bf16"] = {
+        "kernel_ms": ms, "ratio_to_copy": gbps(nbytes, ms) / copy_bw,
+        "torch_contiguous_ratio_to_copy": gbps(nbytes, contiguous_ms) / copy_bw,
+        "torch_copy_into_ratio_to_copy": gbps(nbytes, copy_ms) / copy_bw,
+        "eighth_slice_ratio_to_copy": gbps(nbytes / 8, slice_ms) / copy_bw,
+    }
+    print(f"{'transposed 32768^2':28s} {gbps(nbytes, ms) / copy_bw:.3f}x copy  (.contiguous() "
+          f"{gbps(nbytes, contiguous_ms) / copy_bw:.3f}x; 1/8 slice {gbps(nbytes / 8, slice_ms) / copy_bw:.3f}x)",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters on (b) and (c)")
+    parser.add_argument("--name", default="kernels_h200")
+    args = parser.parse_args()
+    copy_bw = torch_copy_gbps(2 << 30)
+    figures = {"torch_copy_gbps": copy_bw}
+    print(f"torch copy_: {copy_bw:.0f} GB/s", flush=True)
+    bench_contiguous(figures, copy_bw)
+    bench_transposed(figures, copy_bw)
+    torch.cuda.empty_cache()
+    bench_pack("pack_a_200x32MiB", [[16 << 20]] * 200, figures, copy_bw, sweep=False)
+    torch.cuda.empty_cache()
+    params, layout, offsets = bench_pack("pack_b_2000_loguniform", log_uniform_mix(), figures, copy_bw, args.sweep)
+    bench_window(params, layout, offsets, figures, copy_bw)
+    del params
+    torch.cuda.empty_cache()
+    bench_pack("pack_c_llm_mix", llm_mix(), figures, copy_bw, args.sweep)
+    path = write_result(args.name, figures, args.out)
+    labels = ["contiguous_1gib", "transposed_32768sq_bf16", "pack_a_200x32MiB", "pack_b_2000_loguniform",
+              "window_b_rank3_of_8", "pack_c_llm_mix"]
+    plot_ratios(args.out / f"{args.name}.png", "ztriton kernels on " + torch.cuda.get_device_name(),
+                labels, {"ztriton": [figures[k]["ratio_to_copy"] for k in labels]}, target=0.9)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
