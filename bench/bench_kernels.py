@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
-from ztriton.kernels import Tuning, copy_chunk, pack_plan  # noqa: E402
+from ztriton.kernels import Piece, Tuning, copy_chunk, make_plan, pack_plan  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -68,7 +68,28 @@ def deepspeed_flatten(params, layout):
     return _flatten_dense_tensors(align_dense_tensors(padded, 2 * WORLD))
 
 
-def bench_pack(name, shapes, figures, copy_bw, sweep):
+WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)
+              for step, chunk in [(8 << 10, 16 << 10), (16 << 10, 16 << 10), (16 << 10, 32 << 10),
+                                  (32 << 10, 32 << 10), (32 << 10, 64 << 10), (64 << 10, 64 << 10),
+                                  (32 << 10, 128 << 10)]
+              for warps in (2, 4, 8)]
+TILE_SWEEP = [Tuning(tile_p=tp, tile_c=tc, tile_warps=warps)
+              for tp, tc, warps in [(64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8), (128, 128, 4),
+                                    (64, 128, 4), (256, 32, 4), (128, 32, 2)]]
+
+
+def sweep(make_plan_for, tunings, nbytes, copy_bw) -> list[dict]:
+    """Kernel-only ratio to copy bandwidth of the plan each tuning gives."""
+    rows = []
+    for tuning in tunings:
+        ms = time_ms(make_plan_for(tuning).launch, warmup_ms=10, rep_ms=60)
+        rows.append({**tuning.__dict__, "ratio_to_copy": gbps(nbytes, ms) / copy_bw})
+    best = max(rows, key=lambda r: r["ratio_to_copy"])
+    print(f"   sweep best {best}", flush=True)
+    return rows
+
+
+def bench_pack(name, shapes, figures, copy_bw, sweep_on):
     params = make_params(shapes)
     layout, offsets = group_layout(params)
     flat = torch.empty(layout.total_numel, dtype=DTYPE, device="cuda")
@@ -90,27 +111,15 @@ def bench_pack(name, shapes, figures, copy_bw, sweep):
     cat_ms = time_ms(lambda: torch.cat([p.reshape(-1) for p in params], out=out), warmup_ms=10, rep_ms=100)
     entry["torch_cat_out_ratio_to_copy"] = gbps(4 * out.numel(), cat_ms) / copy_bw
     del out
-    if sweep:
-        entry["sweep"] = []
-        for step in (8 << 10, 16 << 10, 32 << 10):
-            for chunk in (32 << 10, 64 << 10, 128 << 10, 256 << 10):
-                for warps in (4, 8):
-                    if chunk < step:
-                        continue
-                    tuning = Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)
-                    p = pack_plan(flat, params, offsets, tuning=tuning)
-                    t = time_ms(p.launch, warmup_ms=10, rep_ms=60)
-                    entry["sweep"].append({"step": step, "chunk": chunk, "warps": warps,
-                                           "ratio_to_copy": gbps(nbytes, t) / copy_bw})
-        best = max(entry["sweep"], key=lambda r: r["ratio_to_copy"])
-        entry["sweep_best"] = best
+    if sweep_on:
+        entry["sweep"] = sweep(lambda t: pack_plan(flat, params, offsets, tuning=t), WORD_SWEEP, nbytes, copy_bw)
     figures[name] = entry
     print(f"{name:28s} {entry['ratio_to_copy']:.3f}x copy  ({entry['kernel_gbps']:.0f} GB/s, {ms:.2f} ms; "
           f"end-to-end {entry['end_to_end_ms']:.2f} ms; DeepSpeed {ds_ms:.2f} ms)", flush=True)
     return params, layout, offsets
 
 
-def bench_window(params, layout, offsets, figures, copy_bw):
+def bench_window(params, layout, offsets, figures, copy_bw, sweep_on):
     rank = 3
     w0, w1 = layout.rank_window(rank)
     out = torch.empty(w1 - w0, dtype=DTYPE, device="cuda")
@@ -130,6 +139,9 @@ def bench_window(params, layout, offsets, figures, copy_bw):
             srcs.append(p.reshape(-1)[lo - offsets[i]:hi - offsets[i]])
             dsts.append(out[lo - w0:hi - w0])
     foreach_ms = time_ms(lambda: torch._foreach_copy_(dsts, srcs))
+    if sweep_on:
+        figures["window_sweep"] = sweep(lambda t: pack_plan(out, params, offsets, window=(w0, w1), tuning=t),
+                                        WORD_SWEEP, nbytes, copy_bw)
     figures["window_b_rank3_of_8"] = {"mib": out.numel() * 2 / 2**20, "kernel_ms": ms, "kernel_gbps": gbps(nbytes, ms),
                                       "ratio_to_copy": gbps(nbytes, ms) / copy_bw,
                                       "foreach_copy_ratio_to_copy": gbps(nbytes, foreach_ms) / copy_bw}
@@ -137,19 +149,26 @@ def bench_window(params, layout, offsets, figures, copy_bw):
           f"{gbps(nbytes, foreach_ms) / copy_bw:.3f}x)", flush=True)
 
 
-def bench_contiguous(figures, copy_bw):
+def bench_contiguous(figures, copy_bw, sweep_on):
     n = (1 << 30) // 2
     src = torch.randn(n, device="cuda").to(DTYPE)
     dst = torch.empty_like(src)
     copy_chunk(src, dst)
     assert same_bits(dst, src)
     ms = time_ms(lambda: copy_chunk(src, dst))
+    plan = make_plan(dst, [Piece(src, 0, n, 0)])
+    kernel_ms = time_ms(plan.launch)
     torch_ms = time_ms(lambda: dst.copy_(src))
-    figures["contiguous_1gib"] = {"kernel_ms": ms, "torch_ms": torch_ms, "ratio_to_copy": torch_ms / ms}
-    print(f"{'contiguous 1 GiB':28s} {torch_ms / ms:.3f}x torch copy_", flush=True)
+    if sweep_on:
+        figures["contiguous_sweep"] = sweep(lambda t: make_plan(dst, [Piece(src, 0, n, 0)], tuning=t), WORD_SWEEP,
+                                            4 * n, copy_bw)
+    figures["contiguous_1gib"] = {"end_to_end_ms": ms, "kernel_ms": kernel_ms, "torch_ms": torch_ms,
+                                  "ratio_to_copy": torch_ms / ms, "kernel_ratio_to_copy": torch_ms / kernel_ms}
+    print(f"{'contiguous 1 GiB':28s} {torch_ms / ms:.3f}x torch copy_ (kernel only {torch_ms / kernel_ms:.3f}x)",
+          flush=True)
 
 
-def bench_transposed(figures, copy_bw):
+def bench_transposed(figures, copy_bw, sweep_on):
     base = torch.randn(32768, 32768, device="cuda").to(DTYPE)
     src = base.t()
     out = torch.empty(src.numel(), dtype=DTYPE, device="cuda")
@@ -157,6 +176,8 @@ def bench_transposed(figures, copy_bw):
     assert same_bits(out, src.contiguous())
     nbytes = 2 * src.numel() * 2
     ms = time_ms(lambda: copy_chunk(src, out))
+    plan = make_plan(out, [Piece(src, 0, src.numel(), 0)])
+    kernel_ms = time_ms(plan.launch)
     contiguous_ms = time_ms(lambda: src.contiguous())
     copy_ms = time_ms(lambda: out.view(32768, 32768).copy_(src))
     slice_out = torch.empty(src.numel() // 8, dtype=DTYPE, device="cuda")
@@ -164,13 +185,20 @@ def bench_transposed(figures, copy_bw):
     copy_chunk(src, slice_out, start)
     assert same_bits(slice_out, src.reshape(-1)[start:start + slice_out.numel()])
     slice_ms = time_ms(lambda: copy_chunk(src, slice_out, start))
+    tile_sweep = sweep(lambda t: make_plan(out, [Piece(src, 0, src.numel(), 0)], tuning=t), TILE_SWEEP, nbytes,
+                       copy_bw) if sweep_on else []
+    slice_plan = make_plan(slice_out, [Piece(src, start, slice_out.numel(), 0)])
+    slice_kernel_ms = time_ms(slice_plan.launch)
     figures["transposed_32768sq_bf16"] = {
-        "kernel_ms": ms, "ratio_to_copy": gbps(nbytes, ms) / copy_bw,
+        "sweep": tile_sweep, "eighth_slice_kernel_ratio_to_copy": gbps(nbytes / 8, slice_kernel_ms) / copy_bw,
+        "end_to_end_ms": ms, "ratio_to_copy": gbps(nbytes, ms) / copy_bw,
+        "kernel_ms": kernel_ms, "kernel_ratio_to_copy": gbps(nbytes, kernel_ms) / copy_bw,
         "torch_contiguous_ratio_to_copy": gbps(nbytes, contiguous_ms) / copy_bw,
         "torch_copy_into_ratio_to_copy": gbps(nbytes, copy_ms) / copy_bw,
         "eighth_slice_ratio_to_copy": gbps(nbytes / 8, slice_ms) / copy_bw,
     }
-    print(f"{'transposed 32768^2':28s} {gbps(nbytes, ms) / copy_bw:.3f}x copy  (.contiguous() "
+    print(f"{'transposed 32768^2':28s} {gbps(nbytes, ms) / copy_bw:.3f}x copy  (kernel only "
+          f"{gbps(nbytes, kernel_ms) / copy_bw:.3f}x; .contiguous() "
           f"{gbps(nbytes, contiguous_ms) / copy_bw:.3f}x; 1/8 slice {gbps(nbytes / 8, slice_ms) / copy_bw:.3f}x)",
           flush=True)
 
@@ -184,13 +212,13 @@ def main() -> None:
     copy_bw = torch_copy_gbps(2 << 30)
     figures = {"torch_copy_gbps": copy_bw}
     print(f"torch copy_: {copy_bw:.0f} GB/s", flush=True)
-    bench_contiguous(figures, copy_bw)
-    bench_transposed(figures, copy_bw)
+    bench_contiguous(figures, copy_bw, args.sweep)
+    bench_transposed(figures, copy_bw, args.sweep)
     torch.cuda.empty_cache()
-    bench_pack("pack_a_200x32MiB", [[16 << 20]] * 200, figures, copy_bw, sweep=False)
+    bench_pack("pack_a_200x32MiB", [[16 << 20]] * 200, figures, copy_bw, sweep_on=False)
     torch.cuda.empty_cache()
     params, layout, offsets = bench_pack("pack_b_2000_loguniform", log_uniform_mix(), figures, copy_bw, args.sweep)
-    bench_window(params, layout, offsets, figures, copy_bw)
+    bench_window(params, layout, offsets, figures, copy_bw, args.sweep)
     del params
     torch.cuda.empty_cache()
     bench_pack("pack_c_llm_mix", llm_mix(), figures, copy_bw, args.sweep)

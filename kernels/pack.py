@@ -14,21 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton.language as tl
 
-from ztriton.kernels.copy import (
-    MAX_DIMS,
-    TILE_ROW,
-    WORD_ROW,
-    _copy_words_kernel,
-    _gather_tile_kernel,
-)
+from ztriton.kernels.copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
 __all__ = ["Piece", "Plan", "Tuning", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices", "run_plan"]
 
-_TILE_P = 64
-_TILE_C = 64
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
@@ -63,35 +56,90 @@ def _check_dst(dst: torch.Tensor) -> None:
                          "pass a contiguous buffer or a contiguous view of one")
 
 
-def _check_piece(i: int, piece: Piece, dst: torch.Tensor, dst_extent: tuple[int, int]) -> None:
-    src = piece.src
-    name = f"sources[{i}]"
-    if not isinstance(src, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(src).__name__}")
-    if src.dtype != dst.dtype:
-        raise TypeError(f"{name} has dtype {src.dtype} but dst has dtype {dst.dtype}; "
-                        "kernels move bits and never convert: cast the source first")
-    if src.device != dst.device:
-        raise ValueError(f"{name} is on {src.device} but dst is on {dst.device}; "
-                         "move one of them so both are on the same device")
-    if piece.start < 0 or piece.count < 0 or piece.start + piece.count > src.numel():
-        raise ValueError(f"{name}: range [{piece.start}, {piece.start + piece.count}) is outside its "
-                         f"{src.numel()} elements")
-    if piece.offset < 0 or piece.offset + piece.count > dst.numel():
-        raise ValueError(f"{name}: destination range [{piece.offset}, {piece.offset + piece.count}) "
-                         f"does not fit in dst of {dst.numel()} elements")
-    lo, hi = _byte_extent(src)
-    if piece.count and lo < dst_extent[1] and dst_extent[0] < hi:
-        raise ValueError(f"{name} overlaps dst in memory (source bytes [{lo:#x}, {hi:#x}), dst bytes "
-                         f"[{dst_extent[0]:#x}, {dst_extent[1]:#x})); copy from a separate buffer")
+@dataclass
+class _Sources:
+    """Per-piece facts gathered in one pass, as int64 columns for vectorised checks and planning.
+
+    Host-side arrays are numpy: torch's CPU sort and scans on a few thousand elements pay for
+    their threading (tens of milliseconds on a 2-core machine), numpy's take microseconds.
+    """
+
+    start: np.ndarray
+    count: np.ndarray
+    offset: np.ndarray
+    numel: np.ndarray
+    lo: np.ndarray  # first byte the source view touches
+    hi: np.ndarray  # one past its last byte
+    contiguous: np.ndarray
 
 
-def _check_disjoint(ranges: list[tuple[int, int, str]]) -> None:
-    """Destination ranges ``(begin, end, name)`` must not overlap: the result would depend on order."""
-    ranges = sorted(r for r in ranges if r[1] > r[0])
-    for (b0, e0, n0), (b1, e1, n1) in zip(ranges, ranges[1:]):
-        if b1 < e0:
-            raise ValueError(f"{n0} (dst [{b0}, {e0})) and {n1} (dst [{b1}, {e1})) overlap in dst")
+def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor) -> _Sources:
+    """Check each piece's type, dtype and device, and collect its sizes and memory extent."""
+    columns = [[] for _ in range(6)]
+    contiguous = []
+    for i, piece in enumerate(pieces):
+        src = piece.src
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__}")
+        if src.dtype != dst.dtype:
+            raise TypeError(f"sources[{i}] has dtype {src.dtype} but dst has dtype {dst.dtype}; "
+                            "kernels move bits and never convert: cast the source first")
+        if src.device != dst.device:
+            raise ValueError(f"sources[{i}] is on {src.device} but dst is on {dst.device}; "
+                             "move one of them so both are on the same device")
+        dense = src.is_contiguous()
+        if dense:
+            lo = src.data_ptr()
+            hi = lo + src.numel() * src.element_size()
+        else:
+            lo, hi = _byte_extent(src)
+            sizes, strides = _merged_dims(src)
+            dense = len(sizes) == 1 and strides[0] == 1
+        for column, value in zip(columns, (piece.start, piece.count, piece.offset, src.numel(), lo, hi)):
+            column.append(value)
+        contiguous.append(dense)
+    arrays = [np.array(c, dtype=np.int64) for c in columns]
+    return _Sources(*arrays, contiguous=np.array(contiguous, dtype=bool))
+
+
+def _first(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if len(hits) else None
+
+
+def _check_ranges(srcs: _Sources, dst: torch.Tensor) -> None:
+    """Source ranges inside their sources, destination ranges inside dst, no source memory in dst."""
+    end = srcs.start + srcs.count
+    i = _first((srcs.start < 0) | (srcs.count < 0) | (end > srcs.numel))
+    if i is not None:
+        raise ValueError(f"sources[{i}]: range [{int(srcs.start[i])}, {int(end[i])}) is outside its "
+                         f"{int(srcs.numel[i])} elements")
+    i = _first((srcs.offset < 0) | (srcs.offset + srcs.count > dst.numel()))
+    if i is not None:
+        raise ValueError(f"sources[{i}]: destination range [{int(srcs.offset[i])}, "
+                         f"{int(srcs.offset[i] + srcs.count[i])}) does not fit in dst of {dst.numel()} elements")
+    dst_lo, dst_hi = _byte_extent(dst)
+    i = _first((srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo))
+    if i is not None:
+        raise ValueError(f"sources[{i}] overlaps dst in memory (source bytes [{int(srcs.lo[i]):#x}, "
+                         f"{int(srcs.hi[i]):#x}), dst bytes [{dst_lo:#x}, {dst_hi:#x})); copy from a separate buffer")
+
+
+def _check_disjoint(begin: np.ndarray, end: np.ndarray, names) -> None:
+    """Destination ranges must not overlap, or the result would depend on the order of writes.
+
+    ``names(k)`` names range k in an error. Empty ranges overlap nothing.
+    """
+    keep = np.flatnonzero(end > begin)
+    if len(keep) < 2:
+        return
+    order = keep[np.argsort(begin[keep], kind="stable")]
+    reach = np.maximum.accumulate(end[order])
+    k = _first(begin[order][1:] < reach[:-1])
+    if k is not None:
+        a, b = int(order[np.argmax(end[order][:k + 1])]), int(order[k + 1])
+        raise ValueError(f"{names(a)} (dst [{int(begin[a])}, {int(end[a])})) and {names(b)} "
+                         f"(dst [{int(begin[b])}, {int(end[b])})) overlap in dst")
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,14 +161,6 @@ def _merged_dims(t: torch.Tensor) -> tuple[list[int], list[int]]:
     return sizes, strides
 
 
-def _contiguous_address(piece: Piece) -> int | None:
-    """Byte address of the piece's first element if its elements are contiguous in memory."""
-    sizes, strides = _merged_dims(piece.src)
-    if not sizes or strides[-1] == 1 and len(sizes) == 1:
-        return piece.src.data_ptr() + piece.start * piece.src.element_size()
-    return None
-
-
 def _word_unit(*values: int) -> int:
     """The widest word (16, 8, 4, 2 or 1 bytes) that divides every value."""
     unit = 16
@@ -129,42 +169,59 @@ def _word_unit(*values: int) -> int:
     return unit
 
 
-def _segment_rows(src_addr: int, dst_addr: int, nbytes: int, base: int,
-                  rows: dict[int, list[tuple[int, int, int]]]) -> None:
-    """Split one byte segment into (src, dst, nbytes) parts of one word class each.
+def _units(values: np.ndarray) -> np.ndarray:
+    """Per element, the widest word (16, 8, 4, 2 or 1 bytes) dividing it: its lowest set bit, capped."""
+    low = values & -values
+    return np.where((low == 0) | (low > 16), 16, low)
+
+
+def _split_by_unit(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: int) -> dict:
+    """Cut byte segments ``(src, dst, nbytes)`` into parts of one word class each: ``{unit: (s, d, n)}``.
 
     Source and destination can share a 16-byte phase only if their difference is a multiple of 16;
     the head up to the first aligned destination byte and the tail after the last whole word go to
-    narrower classes. ``src_addr == 0`` is a zero fill, which only the destination constrains. The
-    kernel addresses dst in words from ``base``, so a word may not be wider than base's alignment.
+    narrower classes. ``src == 0`` is a zero fill, which only the destination constrains. The kernel
+    addresses dst in words from ``base``, so a word may not be wider than base's alignment.
     """
-    phase_unit = _word_unit(src_addr - dst_addr, base) if src_addr else _word_unit(base)
-    head = min(nbytes, (-dst_addr) % phase_unit)
-    body = (nbytes - head) // phase_unit * phase_unit
-    parts = ((0, head), (head, body), (head + body, nbytes - head - body))
-    for skip, length in parts:
-        if length:
-            s = src_addr + skip if src_addr else 0
-            d = dst_addr + skip
-            rows.setdefault(_word_unit(s or d, d, length, base), []).append((s, d, length))
+    zero = src == 0
+    phase = _units(np.where(zero, base, (src - dst) | base))
+    head = np.minimum(nbytes, np.remainder(-dst, phase))
+    body = (nbytes - head) // phase * phase
+    classes: dict[int, list] = {}
+    for skip, length in ((0, head), (head, body), (head + body, nbytes - head - body)):
+        s = np.where(zero, 0, src + skip)
+        d = dst + skip
+        unit = _units(np.where(zero, d, s) | d | length | base)
+        for u in np.unique(unit[length > 0]).tolist():
+            sel = (length > 0) & (unit == u)
+            classes.setdefault(u, []).append((s[sel], d[sel], length[sel]))
+    return {u: tuple(np.concatenate(cols) for cols in zip(*parts)) for u, parts in classes.items()}
 
 
-def _word_table(parts: list[tuple[int, int, int]], unit: int, dst_addr: int, chunk_bytes: int) -> torch.Tensor:
-    """Rows ``[src_addr, dst word offset, words]`` with each part cut into chunks of ``chunk_bytes``."""
-    word = 8 if unit == 16 else unit
-    src, dst, nbytes = torch.tensor(parts, dtype=torch.int64).unbind(1)
-    chunks = (nbytes + chunk_bytes - 1) // chunk_bytes
-    part = torch.repeat_interleave(torch.arange(len(parts)), chunks)
-    first_chunk = torch.cumsum(chunks, 0) - chunks
-    skip = (torch.arange(len(part)) - first_chunk[part]) * chunk_bytes
-    length = torch.clamp(nbytes[part] - skip, max=chunk_bytes)
-    src_col = torch.where(src[part] == 0, 0, src[part] + skip)
-    dst_col = (dst[part] + skip - dst_addr) // word
-    return torch.stack([src_col, dst_col, length // word], dim=1).contiguous()
+def _word_parts(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, unit: int, base: int,
+                chunk_words: int) -> tuple[torch.Tensor, int]:
+    """One int64 table: rows ``[src_addr, dst word offset, words]``, then the prefix sum of the
+    programs (chunks of ``chunk_words``) each row needs; and the total number of programs."""
+    word = _word_bytes(unit)
+    words = nbytes // word
+    chunks = (words + chunk_words - 1) // chunk_words
+    first = np.zeros(len(src) + 1, dtype=np.int64)
+    np.cumsum(chunks, out=first[1:])
+    rows = np.stack([src, (dst - base) // word, words], axis=1).reshape(-1)
+    return torch.from_numpy(np.concatenate([rows, first])), int(first[-1])
 
 
-def _strided_descriptor(piece: Piece, dst_first: int) -> list[int]:
-    """The gather descriptor of a strided piece (copy.DESC_ROW); dst_first: dst's element offset in its storage."""
+def _word_bytes(unit: int) -> int:
+    """The integer a word class moves: 16-byte words travel as pairs of int64."""
+    return 8 if unit == 16 else unit
+
+
+def _strided_descriptor(piece: Piece, dst_first: int, tile_p: int, tile_c: int) -> tuple[list[int], int]:
+    """The gather descriptor of a strided piece (copy.DESC_ROW) and its number of tiles.
+
+    ``dst_first`` is dst's element offset in its storage. Dims are reordered to (outer..., p, c);
+    only the outer indices whose tiles can hold an element of ``[start, start + count)`` are kept.
+    """
     sizes, strides = _merged_dims(piece.src)
     if len(sizes) > MAX_DIMS:
         raise ValueError(f"a source with {len(sizes)} non-mergeable dims exceeds the {MAX_DIMS} the "
@@ -182,67 +239,90 @@ def _strided_descriptor(piece: Piece, dst_first: int) -> list[int]:
         if candidates:
             p_dim = min(candidates, key=lambda d: (strides[d], -d))
     order = [d for d in range(MAX_DIMS - 1) if d != p_dim] + [p_dim, MAX_DIMS - 1]
-    return ([piece.src.data_ptr(), dst_first + piece.offset - piece.start] + [sizes[d] for d in order]
-            + [strides[d] for d in order] + [weights[d] for d in order])
+    sizes, strides, weights = ([v[d] for d in order] for v in (sizes, strides, weights))
 
-
-def _tile_class(desc: list[int], piece: Piece, dst: torch.Tensor) -> tuple[bool, bool, int]:
-    """(P_UNIT, C_UNIT, ALIGN) of a strided piece: the promises _gather_tile_kernel relies on.
-
-    ALIGN is the widest power of two (at most 16 bytes' worth of elements) dividing every offset
-    the kernel forms outside the unit-stride walk: the source address, the strides that are not 1,
-    the sizes and flat weights of p and c, the range bounds and where flat index 0 lands in dst.
-    """
-    itemsize = dst.element_size()
-    sizes = desc[2:2 + MAX_DIMS]
-    strides = desc[2 + MAX_DIMS:2 + 2 * MAX_DIMS]
-    weights = desc[2 + 2 * MAX_DIMS:]
-    values = [desc[0] // itemsize, dst.untyped_storage().data_ptr() // itemsize + desc[1], piece.start, piece.start + piece.count,
-              sizes[-2], sizes[-1], weights[-2]]
-    values += [s for d, s in enumerate(strides) if s != 1 and sizes[d] > 1]
-    align = _word_unit(*(v * itemsize for v in values)) // itemsize
-    return strides[-2] == 1, strides[-1] == 1, max(align, 1)
-
-
-def _tile_rows(index: int, desc: list[int], piece: Piece) -> torch.Tensor:
-    """Tile-table rows of the tiles of one strided piece that hold at least one of its elements."""
-    sizes = desc[2:2 + MAX_DIMS]
-    weights = desc[2 + 2 * MAX_DIMS:]
+    p_blocks, c_blocks = -(-sizes[-2] // tile_p), -(-sizes[-1] // tile_c)
     n_outer = 1
     for size in sizes[:-2]:
         n_outer *= size
-    p_blocks = -(-sizes[-2] // _TILE_P)
-    c_blocks = -(-sizes[-1] // _TILE_C)
-    tile = torch.arange(n_outer * p_blocks * c_blocks, dtype=torch.int64)
-    outer, rest = tile // (p_blocks * c_blocks), tile % (p_blocks * c_blocks)
-    p0, c0 = rest // c_blocks * _TILE_P, rest % c_blocks * _TILE_C
-
-    # Flat index of each tile's first and last element, to drop tiles outside [start, end).
-    flat_lo = torch.zeros_like(tile)
-    rem = outer.clone()
-    for d in range(MAX_DIMS - 3, -1, -1):
-        flat_lo += rem % sizes[d] * weights[d]
-        rem //= sizes[d]
-    p1 = torch.clamp(p0 + _TILE_P, max=sizes[-2]) - 1
-    c1 = torch.clamp(c0 + _TILE_C, max=sizes[-1]) - 1
-    flat_hi = flat_lo + p1 * weights[-2] + c1
-    flat_lo = flat_lo + p0 * weights[-2] + c0
     end = piece.start + piece.count
-    keep = (flat_hi >= piece.start) & (flat_lo < end)
-    n = int(keep.sum())
-    return torch.stack([
-        torch.full((n,), index, dtype=torch.int64), outer[keep], p0[keep], c0[keep],
-        torch.full((n,), piece.start, dtype=torch.int64), torch.full((n,), end, dtype=torch.int64),
-    ], dim=1)
+
+    # Tiles are enumerated as (row, c block), a row being (outer index, p block). Flat indices grow
+    # with the outer index (mixed radix over dims kept in row-major order) and, when p is the
+    # innermost dim but c, with the row too; so the rows that meet [start, end) form one range,
+    # found by bisection.
+    def flat_off(outer: int) -> int:
+        off = 0
+        for d in range(MAX_DIMS - 3, -1, -1):
+            outer, coord = divmod(outer, sizes[d])
+            off += coord * weights[d]
+        return off
+
+    def row_bounds(row: int) -> tuple[int, int]:
+        """Smallest and largest flat index of a row of tiles (of the whole outer slice if p moved)."""
+        if p_dim != MAX_DIMS - 2:
+            base = flat_off(row // p_blocks)
+            return base, base + (sizes[-2] - 1) * weights[-2] + sizes[-1] - 1
+        outer, block = divmod(row, p_blocks)
+        base = flat_off(outer) + block * tile_p * weights[-2]
+        rows_in_block = min(tile_p, sizes[-2] - block * tile_p)
+        return base, base + (rows_in_block - 1) * weights[-2] + sizes[-1] - 1
+
+    def first_row(pred) -> int:
+        lo, hi = 0, n_outer * p_blocks
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pred(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    row_lo = first_row(lambda r: row_bounds(r)[1] >= piece.start)
+    row_hi = first_row(lambda r: row_bounds(r)[0] >= end)
+    if p_dim != MAX_DIMS - 2:  # bounds hold per outer slice: keep whole slices
+        row_lo, row_hi = row_lo // p_blocks * p_blocks, -(-row_hi // p_blocks) * p_blocks
+    head = [piece.src.data_ptr(), dst_first + piece.offset - piece.start, piece.start, end, row_lo,
+            p_blocks, c_blocks]
+    return head + sizes + strides + weights, max(0, row_hi - row_lo) * c_blocks
+
+
+def _tile_class(desc: list[int], dst: torch.Tensor, tile_p: int, tile_c: int) -> tuple:
+    """(P_UNIT, C_UNIT, SRC_ALIGN, DST_ALIGN, SIZE_ALIGN, SMALL): the promises _gather_tile_kernel
+    relies on for one strided piece.
+
+    Each alignment is the widest power of two (at most 16 bytes' worth of elements) dividing the
+    offsets of its side: source address and non-unit strides; where flat index 0 lands in dst and
+    the flat weights; the sizes of p and c. SMALL: every offset inside a tile fits in int32.
+    """
+    itemsize = dst.element_size()
+    sizes = desc[DESC_HEAD:DESC_HEAD + MAX_DIMS]
+    strides = desc[DESC_HEAD + MAX_DIMS:DESC_HEAD + 2 * MAX_DIMS]
+    weights = desc[DESC_HEAD + 2 * MAX_DIMS:]
+
+    def align(values) -> int:
+        return max(1, _word_unit(*(v * itemsize for v in values)) // itemsize)
+
+    src_align = align([desc[0] // itemsize] + [s for d, s in enumerate(strides) if s != 1 and sizes[d] > 1])
+    dst_align = align([dst.untyped_storage().data_ptr() // itemsize + desc[1]]
+                      + [w for d, w in enumerate(weights[:-1]) if sizes[d] > 1])
+    size_align = align([sizes[-2], sizes[-1]])
+    small = max(tile_p * abs(strides[-2]) + tile_c * abs(strides[-1]), tile_p * weights[-2] + tile_c) < 2**31
+    return strides[-2] == 1, strides[-1] == 1, src_align, dst_align, size_align, small
 
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch parameters: bytes a word-copy program moves per loop step and per table row, warps."""
+    """Launch parameters: bytes a word-copy program moves per loop step and in all, its warps and
+    whether it streams; the gather's tile (elements along dim p and along the last dim), its warps."""
 
-    step_bytes: int = 16 * 1024
+    step_bytes: int = 32 * 1024
     chunk_bytes: int = 64 * 1024
     num_warps: int = 4
+    stream: bool = False
+    tile_p: int = 128
+    tile_c: int = 64
+    tile_warps: int = 4
 
 
 @dataclass
@@ -260,16 +340,15 @@ class Plan:
             kernel[grid](*args, **kwargs)
 
 
-def _validate(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]]) -> None:
-    _check_dst(dst)
-    extent = _byte_extent(dst)
-    for i, piece in enumerate(pieces):
-        _check_piece(i, piece, dst, extent)
-    for offset, count in zero_ranges:
-        if offset < 0 or count < 0 or offset + count > dst.numel():
-            raise ValueError(f"zero range [{offset}, {offset + count}) does not fit in dst of {dst.numel()} elements")
-    _check_disjoint([(p.offset, p.offset + p.count, f"sources[{i}]") for i, p in enumerate(pieces)]
-                    + [(o, o + c, "a pad range") for o, c in zero_ranges])
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Upload a host-built table without making the host wait for the device's queue.
+
+    A pageable copy would block until all earlier work on the stream is done; a pinned one is
+    queued like a kernel (torch's pinned-memory cache keeps the buffer until the copy has run).
+    """
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
@@ -278,45 +357,54 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
 
     ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
     """
-    _validate(dst, pieces, zero_ranges)
+    _check_dst(dst)
+    srcs = _gather_sources(pieces, dst)
+    _check_ranges(srcs, dst)
+    zeros = np.array(list(zero_ranges), dtype=np.int64).reshape(-1, 2)
+    i = _first((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (zeros.sum(1) > dst.numel()))
+    if i is not None:
+        o, c = zero_ranges[i]
+        raise ValueError(f"zero range [{o}, {o + c}) does not fit in dst of {dst.numel()} elements")
+    n = len(pieces)
+    _check_disjoint(np.concatenate([srcs.offset, zeros[:, 0]]), np.concatenate([srcs.offset + srcs.count, zeros.sum(1)]),
+                    lambda k: f"sources[{k}]" if k < n else "a pad range")
+
     itemsize = dst.element_size()
     # Kernels address dst from the start of its storage, which the allocator aligns, so that an
     # offset view of a buffer still gets 16-byte words wherever its elements allow them.
     storage = torch.empty(0, dtype=torch.uint8, device=dst.device).set_(dst.untyped_storage())
     base = storage.data_ptr()
-    first = dst.data_ptr()
-    word_parts: dict[int, list[tuple[int, int, int]]] = {}
-    descriptors, tiles = [], {}
-    for piece in pieces:
-        if piece.count == 0:
-            continue
-        address = _contiguous_address(piece)
-        if address is not None:
-            _segment_rows(address, first + piece.offset * itemsize, piece.count * itemsize, base, word_parts)
-        else:
-            desc = _strided_descriptor(piece, dst.storage_offset())
-            rows = _tile_rows(len(descriptors), desc, piece)
-            tiles.setdefault(_tile_class(desc, piece, dst), []).append(rows)
-            descriptors.append(desc)
-    for offset, count in zero_ranges:
-        if count:
-            _segment_rows(0, first + offset * itemsize, count * itemsize, base, word_parts)
-
+    dense = srcs.contiguous & (srcs.count > 0)
+    segments = (
+        np.concatenate([(srcs.lo + srcs.start * itemsize)[dense], np.zeros(len(zeros), dtype=np.int64)]),
+        np.concatenate([srcs.offset[dense], zeros[:, 0]]) * itemsize + dst.data_ptr(),
+        np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
+    )
     launches = []
-    for unit, parts in sorted(word_parts.items()):
-        table = _word_table(parts, unit, base, tuning.chunk_bytes).to(dst.device)
-        word_bytes = 8 if unit == 16 else unit
-        launches.append((_copy_words_kernel, (table.shape[0],), (table, storage), dict(
-            WORD=_WORD_DTYPES[unit], VEC=unit // word_bytes, BLOCK=tuning.step_bytes // word_bytes,
-            num_warps=tuning.num_warps)))
-    if tiles:
-        desc_table = torch.tensor(descriptors, dtype=torch.int64).to(dst.device)
-    for (p_unit, c_unit, align), rows in sorted(tiles.items()):
-        tile_table = torch.cat(rows).to(dst.device)
-        if tile_table.shape[0]:
-            launches.append((_gather_tile_kernel, (tile_table.shape[0],), (tile_table, desc_table, storage), dict(
-                WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS, BLOCK_P=_TILE_P, BLOCK_C=_TILE_C,
-                P_UNIT=p_unit, C_UNIT=c_unit, ALIGN=align, num_warps=4)))
+    for unit, (s, d, nbytes) in sorted(_split_by_unit(*segments, base).items()):
+        word = _word_bytes(unit)
+        table, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
+        table = _to_device(table, dst.device)
+        launches.append((_copy_words_kernel, (programs,), (table, table[3 * len(s):], len(s), storage), dict(
+            WORD=_WORD_DTYPES[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
+            CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
+
+    strided: dict[tuple, list[tuple[list[int], int]]] = {}
+    for piece, is_dense in zip(pieces, srcs.contiguous):
+        if not is_dense and piece.count:
+            desc, tiles = _strided_descriptor(piece, dst.storage_offset(), tuning.tile_p, tuning.tile_c)
+            if tiles:
+                strided.setdefault(_tile_class(desc, dst, tuning.tile_p, tuning.tile_c), []).append((desc, tiles))
+    for (p_unit, c_unit, src_align, dst_align, size_align, small), entries in sorted(strided.items()):
+        tiles = torch.tensor([0] + [t for _, t in entries], dtype=torch.int64).cumsum(0)
+        table = _to_device(torch.cat([torch.tensor([d for d, _ in entries], dtype=torch.int64).reshape(-1), tiles]),
+                           dst.device)
+        launches.append((_gather_tile_kernel, (int(tiles[-1]),),
+                         (table, table[DESC_ROW * len(entries):], len(entries), storage), dict(
+            WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
+            BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
+            SIZE_ALIGN=size_align, SMALL=small,
+            num_warps=tuning.tile_warps)))
     return Plan(launches, [dst, *(p.src for p in pieces)])
 
 
@@ -377,22 +465,27 @@ def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seque
     w0, w1 = (0, dst.numel()) if window is None else window
     if not (0 <= w0 <= w1) or w1 - w0 > dst.numel():
         raise ValueError(f"window=({w0}, {w1}) must satisfy 0 <= w0 <= w1 and fit dst's {dst.numel()} elements")
-    pieces, covered = [], []
-    for i, (src, offset) in enumerate(zip(sources, offsets)):
+    numels = []
+    for i, src in enumerate(sources):
         if not isinstance(src, torch.Tensor):
             raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__}")
-        if offset < 0:
-            raise ValueError(f"offsets[{i}]={offset} is negative")
-        if window is None and offset + src.numel() > dst.numel():
-            raise ValueError(f"sources[{i}]: destination range [{offset}, {offset + src.numel()}) does not "
-                             f"fit in dst of {dst.numel()} elements")
-        lo, hi = max(offset, w0), min(offset + src.numel(), w1)
-        if lo < hi:
-            pieces.append(Piece(src, lo - offset, hi - lo, lo - w0))
-            covered.append((lo - w0, hi - w0))
-        else:  # still validated, so that a bad source is reported whichever window is asked for
-            pieces.append(Piece(src, 0, 0, 0))
-    _check_disjoint([(o, o + s.numel(), f"sources[{i}]") for i, (s, o) in enumerate(zip(sources, offsets))])
+        numels.append(src.numel())
+    begin = np.array(list(offsets), dtype=np.int64)
+    end = begin + np.array(numels, dtype=np.int64)
+    i = _first(begin < 0)
+    if i is not None:
+        raise ValueError(f"offsets[{i}]={offsets[i]} is negative")
+    i = _first(end > dst.numel()) if window is None else None
+    if i is not None:
+        raise ValueError(f"sources[{i}]: destination range [{int(begin[i])}, {int(end[i])}) does not "
+                         f"fit in dst of {dst.numel()} elements")
+    _check_disjoint(begin, end, lambda k: f"sources[{k}]")
+    # Each source's part inside the window; sources outside it still get validated, as empty pieces.
+    lo, hi = np.maximum(begin, w0), np.minimum(end, w1)
+    inside = (lo < hi).tolist()
+    pieces = [Piece(src, a - o, b - a, a - w0) if keep else Piece(src, 0, 0, 0)
+              for src, o, a, b, keep in zip(sources, begin.tolist(), lo.tolist(), hi.tolist(), inside)]
+    covered = [(p.offset, p.offset + p.count) for p, keep in zip(pieces, inside) if keep]
     return make_plan(dst, pieces, _gaps(covered, 0, w1 - w0), tuning)
 
 
