@@ -32,18 +32,23 @@ __all__ = [
 NCCL_START_ALIGNMENT_FACTOR = 2
 
 
+def _is_int(value: object) -> bool:
+    """A Python int that is not a bool (``True`` would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_world(world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
 
 
 def _check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not _is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
 
 def _check_numel(name: str, numel: int) -> None:
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+    if not _is_int(numel) or numel < 0:
         raise ValueError(f"{name} must be an int >= 0, got {numel!r}")
 
 
@@ -89,7 +94,7 @@ def zero3_slice(numel: int, world_size: int) -> Zero3Slice:
 
 def param_alignment(element_size: int, enabled: bool) -> int:
     """Elements each param is padded to with ``parameter_alignment``: 16 bytes' worth, else 1."""
-    if not isinstance(element_size, int) or element_size < 1:
+    if not _is_int(element_size) or element_size < 1:
         raise ValueError(f"element_size must be an int >= 1 (bytes), got {element_size!r}")
     return 16 // math.gcd(16, element_size) if enabled else 1
 
