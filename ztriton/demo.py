@@ -1,0 +1,164 @@
+"""The demo behind ``python -m ztriton demo``: a built-in MoE-shaped model, both paths, side by side."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ztriton.kernels import pack, pack_slices
+from ztriton.layout import zero12_group_layout, zero3_slice
+
+DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """Sizes of the built-in model: ``layers`` blocks of attention plus ``experts`` fused experts."""
+
+    hidden: int
+    ffn: int
+    experts: int
+    layers: int
+    vocab: int
+
+
+GPU_SHAPE = MoEShape(hidden=2048, ffn=1024, experts=64, layers=2, vocab=32000)
+CPU_SHAPE = MoEShape(hidden=64, ffn=32, experts=4, layers=2, vocab=256)
+
+
+def build_params(shape: MoEShape, device: str) -> dict[str, torch.Tensor]:
+    """The model's params in bf16. The fused expert down-projection is stored transposed, as a
+    checkpoint loader may hand it over, so one source of each layer is strided."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    h, f, e = shape.hidden, shape.ffn, shape.experts
+
+    def rand(*dims):
+        return torch.randn(*dims, generator=gen).to(DTYPE).to(device)
+
+    params = {"embed": rand(shape.vocab, h)}
+    for i in range(shape.layers):
+        params |= {
+            f"l{i}.norm": rand(h), f"l{i}.qkv": rand(3 * h, h), f"l{i}.o": rand(h, h), f"l{i}.router": rand(e, h),
+            f"l{i}.experts_up": rand(e, 2 * f, h), f"l{i}.experts_down": rand(e, f, h).transpose(1, 2),
+        }
+    return params
+
+
+def _measure(device: str, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float, float | None]:
+    """Run ``fn`` once: its result, seconds, and the peak of newly allocated device memory (MiB)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
+    return out, seconds, peak
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() == b.numel() and torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+
+
+def deepspeed_flatten(tensors, paddings, alignment):
+    """DeepSpeed 0.19.8's on-device ZeRO-1/2 flatten: fresh pad tensors, align, ``torch.cat``."""
+    from torch._utils import _flatten_dense_tensors
+
+    from deepspeed.runtime.utils import align_dense_tensors
+
+    padded = []
+    for t, pad in zip(tensors, paddings):
+        padded.append(t)
+        if pad:
+            padded.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
+    return _flatten_dense_tensors(align_dense_tensors(padded, alignment))
+
+
+def deepspeed_rank_slices(params, world_size, rank):
+    """What ``zero.Init`` does to each param for one rank: contiguous full copy, narrow, copy."""
+    parts = []
+    for p in params:
+        sl = zero3_slice(p.numel(), world_size)
+        part = torch.empty(sl.partition_numel, dtype=p.dtype, device=p.device)
+        flat = p.contiguous().view(-1)
+        valid = sl.valid_numel(rank)
+        part[:valid].copy_(flat.narrow(0, sl.rank_start(rank), valid))
+        part[valid:].zero_()
+        parts.append(part)
+    return parts
+
+
+def ztriton_rank_slices(params, world_size, rank):
+    """One per-rank buffer with every param's slice, strided sources read in place, tails zeroed."""
+    slices, offset = [], 0
+    for p in params:
+        sl = zero3_slice(p.numel(), world_size)
+        valid = sl.valid_numel(rank)
+        slices.append((p, min(sl.rank_start(rank), p.numel()), valid, offset))
+        offset += sl.partition_numel
+    buf = torch.empty(offset, dtype=DTYPE, device=params[0].device)
+    return pack_slices(buf, slices)
+
+
+def run(device: str, world_size: int) -> int:
+    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
+    print(f"[demo] device={device} world_size={world_size} model={shape}", flush=True)
+    params = list(build_params(shape, device).values())
+    total = sum(p.numel() for p in params)
+    print(f"[demo] {len(params)} params, {total * 2 / 2**20:.1f} MiB bf16 "
+          f"({sum(not p.is_contiguous() for p in params)} strided)", flush=True)
+    rows = []
+
+    print("[demo] ZeRO-1/2 flatten: DeepSpeed torch.cat path ...", flush=True)
+    layout = zero12_group_layout([p.numel() for p in params], world_size, element_size=2)
+    ordered = [params[i] for i in layout.order]
+    ds_flat, ds_s, ds_peak = _measure(device, lambda: deepspeed_flatten(ordered, layout.paddings, 2 * world_size))
+    print("[demo] ZeRO-1/2 flatten: ztriton pack ...", flush=True)
+
+    def zt_flatten():
+        flat = torch.empty(layout.total_numel, dtype=DTYPE, device=device)
+        return pack(flat, ordered, list(layout.offsets))
+
+    zt_flat, zt_s, zt_peak = _measure(device, zt_flatten)
+    same = _same_bits(ds_flat, zt_flat)
+    rows.append(("ZeRO-1/2 flatten", ds_s, ds_peak, zt_s, zt_peak, same))
+    del ds_flat, zt_flat
+
+    print(f"[demo] ZeRO-3 slices for each of {world_size} ranks ...", flush=True)
+    ds_total = zt_total = 0.0
+    ds_peak_max = zt_peak_max = 0.0
+    same3 = True
+    for rank in range(world_size):
+        ds_parts, s, peak = _measure(device, lambda: deepspeed_rank_slices(params, world_size, rank))
+        ds_total += s
+        ds_peak_max = max(ds_peak_max, peak or 0.0)
+        zt_buf, s, peak = _measure(device, lambda: ztriton_rank_slices(params, world_size, rank))
+        zt_total += s
+        zt_peak_max = max(zt_peak_max, peak or 0.0)
+        same3 &= _same_bits(torch.cat(ds_parts), zt_buf)
+        print(f"[demo]   rank {rank}: {'identical' if same3 else 'DIFFERENT'}", flush=True)
+        del ds_parts, zt_buf
+    rows.append(("ZeRO-3 rank slices (all ranks)", ds_total, ds_peak_max if device == "cuda" else None,
+                 zt_total, zt_peak_max if device == "cuda" else None, same3))
+
+    _print_table(rows, device)
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+def _print_table(rows, device: str) -> None:
+    def mib(v):
+        return f"{v:9.1f}" if v is not None else "      n/a"
+
+    print()
+    print(f"{'step':32s} {'DeepSpeed s':>11s} {'peak MiB':>9s} {'ztriton s':>10s} {'peak MiB':>9s} {'bits':>10s}")
+    for name, ds_s, ds_peak, zt_s, zt_peak, same in rows:
+        print(f"{name:32s} {ds_s:11.4f} {mib(ds_peak)} {zt_s:10.4f} {mib(zt_peak)} "
+              f"{'identical' if same else 'DIFFERENT':>10s}")
+    if device == "cpu":
+        print("\n(CPU: kernels run under the Triton interpreter, so ztriton's times here say nothing about "
+              "its speed; peak device memory is measured on CUDA only. The first call also compiles.)")
