@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (once) the project's virtual environment in .venv and install ztriton with its test extras.
+#
+# A torch that the chosen Python already has (a GPU user's CUDA build) is kept: the venv sees the
+# system site-packages, and pip leaves a requirement that is already satisfied alone. Only where no
+# torch is importable is torch 2.13.0 installed. DeepSpeed builds no ops here (DS_BUILD_OPS=0) and
+# installs without build isolation, so that its setup sees the torch above instead of pulling another.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv --system-site-packages .venv
+fi
+VPY=.venv/bin/python
+pip_install() { "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  echo "[setup] no torch found: installing torch 2.13.0"
+  pip_install "torch==2.13.0"
+fi
+if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
+  echo "[setup] installing deepspeed 0.19.8 (no ops built)"
+  pip_install "setuptools>=69" wheel ninja packaging psutil py-cpuinfo hjson msgpack pydantic tqdm nvidia-ml-py
+  DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
+fi
+echo "[setup] installing ztriton (editable) with test extras"
+pip_install --no-build-isolation -e ".[test]"
+"$VPY" -c "import torch, triton, deepspeed, ztriton.kernels; print('[setup] torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep '^\[setup\]'
