@@ -1,0 +1,218 @@
+"""ztriton.partition against deepspeed.zero.Init: partitions, gathers, updates, training, errors.
+
+Each check builds two identical modules (same bits), partitions one with DeepSpeed's ``zero.Init``
+and the other with ``ztriton.partition``, and compares ``ds_tensor``'s valid prefix byte for byte.
+On the fake process group every rank slices its own values (as zero.Init does there); under gloo the
+ranks start from different values and both must end with rank 0's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ztriton
+from ds_reference import BitsModule, bits, zero3_reference
+from ztriton.layout import zero3_slice
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ds_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+numels = st.one_of(st.integers(1, 9), st.sampled_from([11, 13, 17, 31, 37, 61, 97, 101]), st.integers(1, 300))
+
+
+@st.composite
+def module_shapes(draw):
+    """1 to 5 params of 1 to 3 dims, some numels below the world size, primes, mixed."""
+    shapes = []
+    for _ in range(draw(st.integers(1, 5))):
+        numel = draw(numels)
+        if draw(st.booleans()) and numel > 1:
+            first = draw(st.sampled_from([d for d in range(1, numel + 1) if numel % d == 0]))
+            shapes.append([first, numel // first])
+        else:
+            shapes.append([numel])
+    return shapes
+
+
+class StridedBits(BitsModule):
+    """BitsModule whose 2-d params hold transposed views: sources ztriton must read in place."""
+
+    def __init__(self, shapes, seed=0, dtype=None, rank_salt=False):
+        super().__init__(shapes, seed=seed, dtype=dtype, rank_salt=rank_salt)
+        for name, p in list(self.named_parameters()):
+            if p.dim() == 2:
+                p.data = p.data.t().contiguous().t()  # same values, column-major storage
+
+
+def assert_matches_reference(module, reference, world_size, rank):
+    """Every param: shape metadata as DeepSpeed's, valid prefix byte-identical, padding zeros."""
+    params = dict(module.named_parameters())
+    assert sorted(params) == sorted(r.name for r in reference)
+    for ref in reference:
+        p = params[ref.name]
+        sl = zero3_slice(ref.ds_numel, world_size)
+        assert (tuple(p.ds_shape), p.ds_numel, p.ds_numel_aligned, p.ds_tensor.ds_numel) == \
+               (ref.ds_shape, ref.ds_numel, ref.ds_numel_aligned, ref.partition_numel), ref.name
+        assert p.ds_status.name == ref.status == "NOT_AVAILABLE" and p.data.numel() == ref.data_numel == 0
+        valid = sl.valid_numel(rank)
+        assert torch.equal(bits(p.ds_tensor[:valid].cpu()), bits(ref.partition[:valid])), ref.name
+        assert not bits(p.ds_tensor[valid:]).any(), f"{ref.name}: padding is not zero"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+@settings(ds_settings, max_examples=10)
+@given(shapes=module_shapes(), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**20), strided=st.booleans(),
+       data=st.data())
+def test_matches_zero_init_on_fake_group(fake_world, world_size, shapes, dtype, seed, strided, data):
+    rank = data.draw(st.integers(0, world_size - 1))
+    # DeepSpeed itself refuses strided params (its broadcast views them as bytes): its reference
+    # module holds the same values contiguously.
+    reference = zero3_reference(lambda: BitsModule(shapes, seed, dtype), world_size, rank, dtype, wrap_existing=True)
+    factory = (lambda: StridedBits(shapes, seed, dtype)) if strided else (lambda: BitsModule(shapes, seed, dtype))
+    with fake_world(world_size, rank):
+        module = factory()
+        result = ztriton.partition(module)
+    assert result.path == "local" and set(result.buffers) == {dtype}
+    assert_matches_reference(module, reference, world_size, rank)
+    # every ds_tensor is a view of the one per-rank buffer
+    buffer = result.buffers[dtype]
+    assert all(p.ds_tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+               for p in module.parameters())
+
+
+def test_fp8_params_partition_bit_exactly(fake_world):
+    shapes = [[7, 3], [5]]
+    with fake_world(3, 2):
+        module = BitsModule(shapes, seed=4, dtype=torch.float8_e4m3fn)
+        full = {n: p.detach().clone() for n, p in module.named_parameters()}
+        ztriton.partition(module)
+        for name, p in module.named_parameters():
+            sl = zero3_slice(full[name].numel(), 3)
+            flat = full[name].reshape(-1)[sl.rank_start(2):sl.rank_start(2) + sl.valid_numel(2)]
+            assert torch.equal(bits(p.ds_tensor[:sl.valid_numel(2)]), bits(flat))
+
+
+def test_remote_device_cpu_and_gathered_parameters(fake_world):
+    shapes = [[6, 5], [9], [1]]
+    with fake_world(1, 0):
+        module = StridedBits(shapes, seed=1, dtype=torch.bfloat16)
+        full = {n: p.detach().clone() for n, p in module.named_parameters()}
+        result = ztriton.partition(module, remote_device="cpu")
+        import deepspeed
+
+        assert all(p.ds_tensor.device.type == "cpu" for p in module.parameters())
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            for name, p in module.named_parameters():
+                assert torch.equal(bits(p.data), bits(full[name])), name
+        assert all(p.data.numel() == 0 for p in module.parameters())
+        assert result.buffers[torch.bfloat16].numel() == sum(t.numel() for t in full.values())
+
+
+def test_already_partitioned_params_are_left_alone(fake_world):
+    with fake_world(2, 1):
+        module = BitsModule([[4, 4], [3]], seed=2, dtype=torch.float32)
+        first = ztriton.partition(module)
+        before = [p.ds_tensor.data_ptr() for p in module.parameters()]
+        second = ztriton.partition(module)
+        assert second.buffers == {} and [p.ds_tensor.data_ptr() for p in module.parameters()] == before
+        assert first.buffers[torch.float32].numel() == 8 + 2
+
+
+# --------------------------------------------------------------------------------------------- gloo
+
+
+def _gloo_partition_and_update(rank, world_size, shapes, dtype, strided):
+    """On each rank: different starting values, partition, compare with zero.Init, update, regather."""
+    import deepspeed
+
+    cls = StridedBits if strided else BitsModule
+    reference = zero3_reference(lambda: BitsModule(shapes, 5, dtype, rank_salt=True), world_size, rank, dtype,
+                                wrap_existing=True)
+    module = cls(shapes, 5, dtype, rank_salt=True)
+    ztriton.partition(module)
+    assert_matches_reference(module, reference, world_size, rank)
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        gathered = [p.detach().clone() for p in params]
+    # Rank 0 modifies; the change is broadcast and re-partitioned into ztriton's buffer views.
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                for p in params:
+                    p.add_(1)
+    with deepspeed.zero.GatheredParameters(params):
+        updated = [p.detach().clone() for p in params]
+    return [bits(g).tolist() for g in gathered], [bits(u).tolist() for u in updated], \
+        [bits(g + 1).tolist() for g in gathered]
+
+
+@pytest.mark.parametrize("world_size,strided", [(2, False), (3, True)])
+def test_gloo_values_are_rank0s_and_updates_repartition(gloo_world, world_size, strided):
+    shapes = [[5, 7], [13], [2, 3]]
+    results = gloo_world(_gloo_partition_and_update, world_size, shapes, torch.bfloat16, strided)
+    gathered0, updated0, expected0 = results[0]
+    for gathered, updated, _ in results:
+        assert gathered == gathered0  # everyone sees rank 0's values
+        assert updated == expected0  # and rank 0's update
+
+
+def _gloo_train(rank, world_size, use_ztriton):
+    """Two SGD steps of a ZeRO-3 engine on a partitioned linear model; the losses."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 1))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True}
+    if use_ztriton:
+        ztriton.partition(model)
+    else:
+        deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(2):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_gloo_deepspeed_initialize_trains_the_same(gloo_world):
+    with_ztriton = gloo_world(_gloo_train, 2, True)
+    with_deepspeed = gloo_world(_gloo_train, 2, False)
+    assert with_ztriton == with_deepspeed
+    assert with_ztriton[0][1] != with_ztriton[0][0]  # the step changed the model
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_leave_params_intact(fake_world):
+    with fake_world(2, 0):
+        meta = torch.nn.Linear(3, 2, device="meta")
+        with pytest.raises(ValueError, match=r"'weight' is on the meta device.*to_empty"):
+            ztriton.partition(meta)
+        scalar = torch.nn.Module()
+        scalar.s = torch.nn.Parameter(torch.tensor(1.5))
+        with pytest.raises(ValueError, match=r"'s' is 0-dimensional.*shape \[1\]"):
+            ztriton.partition(scalar)
+        assert scalar.s.item() == 1.5 and not hasattr(scalar.s, "ds_id")
+        with pytest.raises(ValueError, match=r"remote_device must be None .* or 'cpu', got 'nvme'"):
+            ztriton.partition(torch.nn.Linear(2, 2), remote_device="nvme")
+        with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+            ztriton.partition([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        ztriton.partition(torch.nn.Linear(2, 2))
+
+
+def test_chunk_bytes_below_minimum_refused_before_anything_changes(fake_world):
+    with fake_world(2, 1):
+        module = BitsModule([[4]], seed=0, dtype=torch.float32)
+        before = bits(module.p0.data).clone()
+        with pytest.raises(ValueError, match=r"chunk_bytes=1024 is below the minimum"):
+            ztriton.partition(module, chunk_bytes=1024)
+        assert torch.equal(bits(module.p0.data), before) and not hasattr(module.p0, "ds_id")
