@@ -222,14 +222,36 @@ def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_by
     _synchronize(buffer)
 
 
+def _staging(rank: int, world: int, group, chunk_bytes: int, buffer: torch.Tensor, comm: torch.device):
+    """Rank 0's [W, chunk] scatter staging and, where the buffer is not on the comm device, a receive
+    chunk. An allocation failure halves the chunk (down to policy.MIN_CHUNK_BYTES) instead of failing.
+    Every rank must use the same chunk, so the size is agreed on: the smallest any rank could take."""
+    while True:
+        chunk_elems = max(1, chunk_bytes // buffer.element_size())
+        try:
+            recv = None if buffer.device == comm else torch.empty(chunk_elems, dtype=buffer.dtype, device=comm)
+            rows = torch.empty(world, chunk_elems, dtype=buffer.dtype, device=comm) if rank == 0 else None
+            ok = 1
+        except torch.OutOfMemoryError:
+            recv = rows = None
+            ok = 0
+        agreed = torch.tensor([ok * chunk_bytes], dtype=torch.int64, device=comm)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        if int(agreed) == chunk_bytes:
+            return chunk_elems, rows, recv
+        if chunk_bytes <= policy.MIN_CHUNK_BYTES:
+            raise RuntimeError(f"cannot allocate even {policy.MIN_CHUNK_BYTES // policy.MiB} MiB of staging on {comm} "
+                               "on every rank; free device memory and retry")
+        logger.warning("ztriton partition: staging of %.1f MiB did not fit on every rank; halving", chunk_bytes / policy.MiB)
+        chunk_bytes //= 2
+
+
 def _fill_scattered(buffer: torch.Tensor, entries: list[_Entry], rank: int, world: int, group, chunk_bytes: int) -> None:
     """Rank 0 scatters every rank's slices, one window of the per-rank buffer at a time."""
     comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     itemsize = buffer.element_size()
-    chunk_elems = max(1, chunk_bytes // itemsize)
     src_rank = dist.get_global_rank(group, 0) if group is not None else 0
-    recv_stage = None if buffer.device == comm else torch.empty(chunk_elems, dtype=buffer.dtype, device=comm)
-    staging = torch.empty(world, chunk_elems, dtype=buffer.dtype, device=comm) if rank == 0 else None
+    chunk_elems, staging, recv_stage = _staging(rank, world, group, chunk_bytes, buffer, comm)
     for done, (begin, end) in enumerate(_windows(buffer.numel(), chunk_elems)):
         n = end - begin
         rows = None
