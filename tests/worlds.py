@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import math
 import multiprocessing
 import os
 import pickle
 import queue
-import sys
 import time
 import traceback
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed
+
+from ztriton.deepspeed import deepspeed_world, environment, rank_environment, teardown_world as teardown
 
 __all__ = ["DEEPSPEED_CPU_ENV", "fake_world", "run_world", "teardown", "WorldError"]
 
@@ -51,96 +51,18 @@ def _check_world(world_size: int, rank: int) -> None:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration, then restore the previous values (or absence)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 def _rank_env(world_size: int, rank: int, local_rank: int, port: int) -> dict[str, str]:
-    return {
-        **DEEPSPEED_CPU_ENV,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_PORT": str(port),
-    }
+    return {**DEEPSPEED_CPU_ENV, **rank_environment(world_size, rank, local_rank, port)}
 
 
-@contextlib.contextmanager
-def _no_shm_comm() -> Iterator[None]:
-    """Keep DeepSpeed from JIT-building its shared-memory comm op when it wraps torch.distributed.
-
-    ``deepspeed.comm.torch.TorchBackend.__init__`` builds ``deepspeed_shm_comm`` on the CPU accelerator
-    (about 45 s with a cold cache); the op only serves ``inference_all_reduce`` and moves no data in
-    what these tests exercise. ``import deepspeed.comm.torch as m`` would bind the *torch* package
-    (``deepspeed.comm`` re-exports it), hence ``sys.modules``.
-    """
-    importlib.import_module("deepspeed.comm.torch")
-    module = sys.modules["deepspeed.comm.torch"]
-    saved = module.build_shm_op
-    module.build_shm_op = lambda: None
-    try:
-        yield
-    finally:
-        module.build_shm_op = saved
-
-
-def _reset_deepspeed_comm() -> None:
-    """Forget DeepSpeed's wrapper of torch.distributed, so the next world gets a fresh one.
-
-    ``deepspeed.comm.destroy_process_group`` destroys torch's groups and releases DeepSpeed's group
-    caches (``deepspeed.utils.groups``), but keeps ``cdb``, a ``TorchBackend`` bound to the old world.
-    """
-    comm = importlib.import_module("deepspeed.comm.comm")
-    comm.cdb = None
-
-
-def teardown() -> None:
-    """Destroy whatever world is initialised (torch.distributed and DeepSpeed's wrapper of it)."""
-    comm = importlib.import_module("deepspeed.comm.comm")
-    try:
-        if torch.distributed.is_initialized():
-            if comm.cdb is not None:
-                comm.destroy_process_group()
-            else:
-                torch.distributed.destroy_process_group()
-    finally:
-        _reset_deepspeed_comm()
-
-
-@contextlib.contextmanager
 def _deepspeed_world(backend: str, store: torch.distributed.Store, world_size: int, rank: int,
-                     local_rank: int, port: int) -> Iterator[None]:
-    """Initialise torch.distributed on ``store`` and hand it to DeepSpeed; tear both down afterwards.
+                     local_rank: int, port: int):
+    """torch.distributed plus DeepSpeed's wrapper on ``store``, with the tests' CPU environment.
 
     DS_ACCELERATOR only counts if DeepSpeed has not picked its accelerator yet (it does so once per
     process); the test conftest sets it at start-up on hosts without CUDA.
     """
-    if torch.distributed.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised; worlds do not nest")
-    with _environment(_rank_env(world_size, rank, local_rank, port)), _no_shm_comm():
-        import deepspeed.comm
-
-        _reset_deepspeed_comm()
-        try:
-            torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                                 timeout=datetime.timedelta(seconds=120))
-            # DeepSpeed sees an initialised torch.distributed and only wraps it (comm.init_distributed).
-            deepspeed.comm.init_distributed(dist_backend=backend, verbose=False)
-            yield
-        finally:
-            teardown()
+    return deepspeed_world(backend, store, world_size, rank, _rank_env(world_size, rank, local_rank, port))
 
 
 @contextlib.contextmanager
@@ -197,7 +119,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         name=f"run_world-rank{rank}", daemon=True)
         for rank in range(world_size)
     ]
-    with _environment(DEEPSPEED_CPU_ENV):  # spawned children inherit os.environ at start
+    with environment(DEEPSPEED_CPU_ENV):  # spawned children inherit os.environ at start
         for process in processes:
             process.start()
     try:
