@@ -27,5 +27,5 @@ def test_demo_runs_on_cpu_and_reports_identical_bytes(tmp_path):
     done = run_python(["-m", "ztriton", "demo", "--device", "cpu", "--world-size", "3"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     table = done.stdout.split("\n\n")[-2]
-    assert "ZeRO-1/2 flatten" in table and "ZeRO-3 rank slices" in table
+    assert "ZeRO-1/2 flatten" in table and "ZeRO-3 partition" in table
     assert "DIFFERENT" not in done.stdout and table.count("identical") == 2

@@ -32,7 +32,9 @@ def main(argv=None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+        # Both are read once per process: before triton / DeepSpeed are first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ztriton import demo
 
     return demo.run(device, args.world_size)

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from einops import rearrange
 
-from ztriton.kernels import pack, pack_slices
+from ztriton.kernels import pack
 from ztriton.layout import zero12_group_layout, zero3_slice
 
 DTYPE = torch.bfloat16
@@ -83,36 +83,70 @@ def deepspeed_flatten(tensors, paddings, alignment):
     return _flatten_dense_tensors(align_dense_tensors(padded, alignment))
 
 
-def deepspeed_rank_slices(params, world_size, rank):
-    """What ``zero.Init`` does to each param for one rank: contiguous full copy, narrow, copy."""
-    parts = []
-    for p in params:
-        sl = zero3_slice(p.numel(), world_size)
-        part = torch.empty(sl.partition_numel, dtype=p.dtype, device=p.device)
-        flat = p.contiguous().view(-1)
-        valid = sl.valid_numel(rank)
-        part[:valid].copy_(flat.narrow(0, sl.rank_start(rank), valid))
-        part[valid:].zero_()
-        parts.append(part)
-    return parts
+class ParamModule(torch.nn.Module):
+    """The built-in model's tensors as parameters of one module (names with '.' become '_')."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(t))
 
 
-def ztriton_rank_slices(params, world_size, rank):
-    """One per-rank buffer with every param's slice, strided sources read in place, tails zeroed."""
-    slices, offset = [], 0
-    for p in params:
-        sl = zero3_slice(p.numel(), world_size)
-        valid = sl.valid_numel(rank)
-        slices.append((p, min(sl.rank_start(rank), p.numel()), valid, offset))
-        offset += sl.partition_numel
-    buf = torch.empty(offset, dtype=DTYPE, device=params[0].device)
-    return pack_slices(buf, slices)
+ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+
+
+def deepspeed_partition(tensors: dict[str, torch.Tensor]) -> ParamModule:
+    """DeepSpeed's path: ``zero.Init(module=...)``. Its broadcast views every param as bytes, which
+    a strided param refuses, so strided params must first be made contiguous: a full copy each."""
+    import deepspeed
+
+    module = ParamModule({n: t.contiguous() for n, t in tensors.items()})
+    deepspeed.zero.Init(module=module, config_dict_or_path=ZERO3_CONFIG)
+    return module
+
+
+def ztriton_partition(tensors: dict[str, torch.Tensor]) -> ParamModule:
+    """ztriton's path: the tensors as they are, strided ones read in place."""
+    import ztriton
+
+    module = ParamModule(tensors)
+    ztriton.partition(module)
+    return module
+
+
+def _same_partitions(a: ParamModule, b: ParamModule, world_size: int, rank: int) -> bool:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        valid = zero3_slice(p.ds_numel, world_size).valid_numel(rank)
+        if not _same_bits(p.ds_tensor[:valid], q.ds_tensor[:valid]):
+            return False
+    return True
+
+
+def zero3_rows(tensors: dict[str, torch.Tensor], device: str, world_size: int):
+    """Partition the model as every rank of a simulated world (torch's fake process group), both ways."""
+    from ztriton.deepspeed import simulated_world
+
+    ds_total = zt_total = 0.0
+    ds_peak = zt_peak = 0.0
+    same = True
+    for rank in range(world_size):
+        with simulated_world(world_size, rank):
+            ds_module, s, peak = _measure(device, lambda: deepspeed_partition(tensors))
+            ds_total, ds_peak = ds_total + s, max(ds_peak, peak or 0.0)
+            zt_module, s, peak = _measure(device, lambda: ztriton_partition(tensors))
+            zt_total, zt_peak = zt_total + s, max(zt_peak, peak or 0.0)
+            same &= _same_partitions(ds_module, zt_module, world_size, rank)
+        print(f"[demo]   rank {rank}: {'identical' if same else 'DIFFERENT'}", flush=True)
+    on_cuda = device == "cuda"
+    return ("ZeRO-3 partition (every rank)", ds_total, ds_peak if on_cuda else None, zt_total,
+            zt_peak if on_cuda else None, same)
 
 
 def run(device: str, world_size: int) -> int:
     shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
     print(f"[demo] device={device} world_size={world_size} model={shape}", flush=True)
-    params = list(build_params(shape, device).values())
+    tensors = build_params(shape, device)
+    params = list(tensors.values())
     total = sum(p.numel() for p in params)
     print(f"[demo] {len(params)} params, {total * 2 / 2**20:.1f} MiB bf16 "
           f"({sum(not p.is_contiguous() for p in params)} strided)", flush=True)
@@ -133,22 +167,8 @@ def run(device: str, world_size: int) -> int:
     rows.append(("ZeRO-1/2 flatten", ds_s, ds_peak, zt_s, zt_peak, same))
     del ds_flat, zt_flat
 
-    print(f"[demo] ZeRO-3 slices for each of {world_size} ranks ...", flush=True)
-    ds_total = zt_total = 0.0
-    ds_peak_max = zt_peak_max = 0.0
-    same3 = True
-    for rank in range(world_size):
-        ds_parts, s, peak = _measure(device, lambda: deepspeed_rank_slices(params, world_size, rank))
-        ds_total += s
-        ds_peak_max = max(ds_peak_max, peak or 0.0)
-        zt_buf, s, peak = _measure(device, lambda: ztriton_rank_slices(params, world_size, rank))
-        zt_total += s
-        zt_peak_max = max(zt_peak_max, peak or 0.0)
-        same3 &= _same_bits(torch.cat(ds_parts), zt_buf)
-        print(f"[demo]   rank {rank}: {'identical' if same3 else 'DIFFERENT'}", flush=True)
-        del ds_parts, zt_buf
-    rows.append(("ZeRO-3 rank slices (all ranks)", ds_total, ds_peak_max if device == "cuda" else None,
-                 zt_total, zt_peak_max if device == "cuda" else None, same3))
+    print(f"[demo] ZeRO-3: DeepSpeed zero.Init vs ztriton.partition as each of {world_size} ranks ...", flush=True)
+    rows.append(zero3_rows(tensors, device, world_size))
 
     _print_table(rows, device)
     return 0 if all(r[-1] for r in rows) else 1
