@@ -21,7 +21,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 from bench.harness import RESULTS, plot_ratios, torch_copy_gbps, write_result  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -72,8 +71,8 @@ def check_partition(module, source: torch.Tensor, world: int, rank: int) -> None
 def run_case(gib: int, world: int, figures: dict, h2d_gbps: float, copy_gbps: float) -> None:
     import deepspeed
 
-    import worlds
     import ztriton
+    from ztriton.deepspeed import simulated_world
 
     shape = shape_for(gib)
     numel = shape[0] * shape[1] * shape[2]
@@ -88,9 +87,7 @@ def run_case(gib: int, world: int, figures: dict, h2d_gbps: float, copy_gbps: fl
                 return Experts(shape)
         return build
 
-    with worlds._deepspeed_world("fake", __import__("torch.testing._internal.distributed.fake_pg",
-                                                   fromlist=["FakeStore"]).FakeStore(), world, rank, local_rank=0,
-                                 port=29500):
+    with simulated_world(world, rank):
         for label, remote in (("deepspeed_zero_init", None), ("deepspeed_zero_init_remote_cpu", "cpu")):
             module, secs, peak = measure(ds_init(remote))
             entry[label] = {"seconds": secs, "peak_gib": peak / GiB, "peak_over_partition": peak / part_bytes}
