@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ztriton.kernels.copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
-__all__ = ["Piece", "Plan", "Tuning", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices", "run_plan"]
+__all__ = ["Piece", "Plan", "Tuning", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices", "run_plan", "uncovered"]
 
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -434,7 +434,7 @@ def copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int 
     return dst
 
 
-def _gaps(covered: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
+def uncovered(covered: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
     """``(offset, count)`` of the parts of ``[begin, end)`` that no ``(b, e)`` in ``covered`` holds."""
     gaps, cursor = [], begin
     for b, e in sorted(covered):
@@ -488,7 +488,7 @@ def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seque
     pieces = [Piece(src, a - o, b - a, a - w0) if keep else Piece(src, 0, 0, 0)
               for src, o, a, b, keep in zip(sources, begin.tolist(), lo.tolist(), hi.tolist(), inside)]
     covered = [(p.offset, p.offset + p.count) for p, keep in zip(pieces, inside) if keep]
-    return make_plan(dst, pieces, _gaps(covered, 0, w1 - w0), tuning)
+    return make_plan(dst, pieces, uncovered(covered, 0, w1 - w0), tuning)
 
 
 def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
@@ -498,5 +498,5 @@ def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int
     """
     _check_dst(dst)
     pieces = [Piece(*s) for s in slices]
-    run_plan(dst, pieces, _gaps([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel()))
+    run_plan(dst, pieces, uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel()))
     return dst

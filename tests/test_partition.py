@@ -216,3 +216,19 @@ def test_chunk_bytes_below_minimum_refused_before_anything_changes(fake_world):
         with pytest.raises(ValueError, match=r"chunk_bytes=1024 is below the minimum"):
             ztriton.partition(module, chunk_bytes=1024)
         assert torch.equal(bits(module.p0.data), before) and not hasattr(module.p0, "ds_id")
+
+
+def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
+    """Without the kernels (CPU tensors outside the interpreter, or sources on another device than
+    the partitions) the copies go through torch, with only the padding zeroed: same bytes."""
+    import ztriton.partitioning as partitioning
+
+    monkeypatch.setattr(partitioning, "_kernels_run_on", lambda device: False)
+    shapes = [[7, 3], [13], [2, 2]]
+    reference = zero3_reference(lambda: BitsModule(shapes, 9, torch.bfloat16), 3, 2, torch.bfloat16,
+                                wrap_existing=True)
+    with fake_world(3, 2):
+        module = StridedBits(shapes, 9, torch.bfloat16)
+        buffer = ztriton.partition(module, chunk_bytes=1 << 20).buffers[torch.bfloat16]
+    assert_matches_reference(module, reference, 3, 2)
+    assert buffer.numel() == 7 + 5 + 2

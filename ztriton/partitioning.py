@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ztriton import deepspeed as ds_adapter
 from ztriton import policy
 from ztriton.kernels import Piece, copy_chunk, pack_slices
+from ztriton.kernels.pack import uncovered
 from ztriton.layout import Zero3Slice, zero3_slice
 
 logger = logging.getLogger("ztriton")
@@ -197,7 +198,8 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], chunk_elems: int) -> None:
     if _kernels_run_on(dst.device) and all(p.src.device == dst.device for p in pieces):
         pack_slices(dst, [(p.src, p.start, p.count, p.offset) for p in pieces])
         return
-    dst.zero_()
+    for offset, count in uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel()):
+        dst.narrow(0, offset, count).zero_()
     for p in pieces:
         _copy_range(p.src, p.start, p.count, dst.narrow(0, p.offset, p.count), chunk_elems)
 
