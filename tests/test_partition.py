@@ -232,3 +232,34 @@ def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
         buffer = ztriton.partition(module, chunk_bytes=1 << 20).buffers[torch.bfloat16]
     assert_matches_reference(module, reference, 3, 2)
     assert buffer.numel() == 7 + 5 + 2
+
+
+def _check_against_source(module, full, world_size, rank):
+    for name, p in module.named_parameters():
+        sl = zero3_slice(full[name].numel(), world_size)
+        valid, start = sl.valid_numel(rank), sl.rank_start(rank)
+        want = full[name].reshape(-1)[start:start + valid].cpu()
+        assert torch.equal(bits(p.ds_tensor[:valid].cpu()), bits(want)), name
+        assert not bits(p.ds_tensor[valid:].cpu()).any(), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["gpu", "pageable", "pinned"])
+@pytest.mark.parametrize("remote_device", [None, "cpu"])
+def test_gpu_sources_and_partition_homes(fake_world, source, remote_device):
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator().device_name() == "cuda"  # picked before the world sets DS_ACCELERATOR
+    shapes = [[300, 70], [1001], [64, 3]]
+    with fake_world(4, 3):
+        module = StridedBits(shapes, 3, torch.bfloat16)
+        for p in module.parameters():
+            if source == "gpu":
+                p.data = p.data.cuda().t().contiguous().t() if p.dim() == 2 else p.data.cuda()
+            elif source == "pinned":
+                p.data = p.data.pin_memory()
+        full = {n: p.detach().clone() for n, p in module.named_parameters()}
+        result = ztriton.partition(module, remote_device=remote_device)
+        home = "cpu" if remote_device == "cpu" else "cuda"
+        assert all(b.device.type == home for b in result.buffers.values())
+        _check_against_source(module, full, 4, 3)
