@@ -11,13 +11,14 @@ if (_checkout_kernels / "__init__.py").is_file() and not (_Path(__file__).parent
 from ztriton import layout  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["layout", "partition", "Partitioned", "__version__"]
+__all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "__version__"]
 
 # Entry points that import triton load on first use: triton decides at import time whether its
 # kernels run under the interpreter (TRITON_INTERPRET=1), so `import ztriton` must not import it.
 # (The ZeRO-3 module is ztriton.partitioning, not ztriton.partition: a submodule named like the
 # function would rebind `ztriton.partition` to the module whenever it is imported directly.)
-_LAZY = {"partition": "ztriton.partitioning", "Partitioned": "ztriton.partitioning"}
+_LAZY = {"partition": "ztriton.partitioning", "Partitioned": "ztriton.partitioning",
+         "flatten_groups": "ztriton.flatten", "FlatGroup": "ztriton.flatten"}
 
 
 def __getattr__(name):

@@ -6,10 +6,12 @@ figures it was made from and is logged with them, so a user can see which tier r
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -176,3 +178,43 @@ def log_decision(what: str, decision, memory: MemoryInfo | None = None) -> None:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GiB:.2f} GiB"
+
+
+def flatten_fallbacks(tier: Tier | str) -> tuple[Tier, ...]:
+    """The tiers a ZeRO-1/2 flatten tries, in order, starting from ``tier``: each next one after an
+    allocation failure in the one before.
+
+    ``distributed`` is never a fallback: it is collective, so every rank must enter it together, and
+    only the choice made up front (from memory figures all ranks agreed on) is the same everywhere; a
+    fallback follows one rank's own allocation failure.
+    """
+    chain = {Tier.DEVICE: (Tier.DEVICE, Tier.EVICT, Tier.HOST),
+             Tier.DISTRIBUTED: (Tier.DISTRIBUTED, Tier.EVICT, Tier.HOST),
+             Tier.EVICT: (Tier.EVICT, Tier.HOST),
+             Tier.HOST: (Tier.HOST,)}
+    return chain[Tier(tier)]
+
+
+def choose_evictions(sizes: Sequence[int], evict_bytes: int) -> list[int]:
+    """Indices (ascending) of the tensors of ``sizes`` bytes to move to host memory to free ``evict_bytes``.
+
+    Few tensors and little overshoot: while bytes are still needed, take the smallest tensor that
+    covers the rest if there is one, else the largest and go on. The result covers ``evict_bytes``
+    (all tensors if together they are smaller), and leaving out its smallest tensor would not.
+    """
+    if evict_bytes < 0:
+        raise ValueError(f"evict_bytes must be >= 0, got {evict_bytes}")
+    for i, size in enumerate(sizes):
+        if size < 0:
+            raise ValueError(f"sizes[{i}] must be >= 0, got {size}")
+    remaining = sorted(range(len(sizes)), key=lambda i: (sizes[i], i))  # ascending by size
+    chosen, need = [], evict_bytes
+    while need > 0 and remaining:
+        k = bisect.bisect_left(remaining, need, key=lambda i: sizes[i])
+        if k < len(remaining):  # one tensor covers the rest: the smallest such
+            chosen.append(remaining.pop(k))
+            break
+        largest = remaining.pop()
+        chosen.append(largest)
+        need -= sizes[largest]
+    return sorted(chosen)

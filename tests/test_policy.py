@@ -1,0 +1,245 @@
+"""ztriton.policy: tier thresholds, forced tiers, fallbacks, chunk sizes, evictions, probes and logging.
+
+Pure functions of numbers, tested at and around every threshold; Hypothesis for the properties.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ztriton import policy
+from ztriton.policy import (DEFAULT_HEADROOM_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, GiB, MemoryInfo, MiB, Tier,
+                            choose_chunk_bytes, choose_evictions, choose_flatten_tier, flatten_fallbacks, log_decision,
+                            probe_memory)
+
+# ------------------------------------------------------------------------------- choose_flatten_tier
+
+M = 8 * GiB  # the group
+H = 1 * GiB  # headroom
+
+
+def tier_of(free, world=4, host=1 << 50, headroom=H, group=M, forced=None):
+    return choose_flatten_tier(group, world, free, host, headroom, forced)
+
+
+def test_device_tier_exactly_at_threshold():
+    assert tier_of(M + H).tier is Tier.DEVICE
+    assert tier_of(M + H - 1).tier is not Tier.DEVICE
+
+
+def test_distributed_tier_between_window_and_group():
+    """W > 1: below the flat buffer but at least this rank's 1/W window (rounded up)."""
+    window = -(-M // 4)
+    assert tier_of(M + H - 1).tier is Tier.DISTRIBUTED
+    assert tier_of(window + H).tier is Tier.DISTRIBUTED
+    assert tier_of(window + H - 1).tier is Tier.EVICT
+    odd = choose_flatten_tier(10, 3, 4 + H, 1 << 40, H)  # ceil(10 / 3) = 4
+    assert odd.tier is Tier.DISTRIBUTED
+    assert choose_flatten_tier(10, 3, 3 + H, 1 << 40, H).tier is Tier.EVICT
+
+
+def test_world_of_one_skips_distributed():
+    assert tier_of(M + H - 1, world=1).tier is Tier.EVICT
+    assert tier_of(M + H, world=1).tier is Tier.DEVICE
+
+
+def test_evict_bytes_are_what_is_missing():
+    d = tier_of(3 * GiB + H, world=1)
+    assert d.tier is Tier.EVICT and d.evict_bytes == M - 3 * GiB
+    # headroom above what is free: everything must go
+    d = tier_of(H // 2, world=1)
+    assert d.tier is Tier.EVICT and d.evict_bytes == M
+
+
+def test_host_tier_when_host_cannot_take_the_evictions():
+    assert tier_of(3 * GiB + H, world=1, host=M - 3 * GiB).tier is Tier.EVICT
+    d = tier_of(3 * GiB + H, world=1, host=M - 3 * GiB - 1)
+    assert d.tier is Tier.HOST and d.evict_bytes == 0
+
+
+def test_decision_carries_its_figures():
+    d = tier_of(5 * GiB, world=2, host=7, headroom=3)
+    assert (d.group_bytes, d.world_size, d.free_bytes, d.headroom_bytes) == (M, 2, 5 * GiB, 3)
+    assert "GiB" in d.reason
+
+
+def test_default_headroom_is_one_gib():
+    assert DEFAULT_HEADROOM_BYTES == GiB
+    assert choose_flatten_tier(M, 1, M + GiB, 0).tier is Tier.DEVICE
+    assert choose_flatten_tier(M, 1, M + GiB - 1, 1 << 50).tier is Tier.EVICT
+
+
+@pytest.mark.parametrize("forced", list(Tier) + [t.value for t in Tier])
+def test_forced_tiers_win(forced):
+    d = tier_of(0, world=4, host=0, forced=forced)  # nothing fits, yet the caller's tier is taken
+    assert d.tier is Tier(forced)
+    assert "forced" in d.reason
+    assert d.evict_bytes == (M if Tier(forced) is Tier.EVICT else 0)
+
+
+def test_forced_device_with_plenty_of_room_evicts_nothing():
+    assert tier_of(1 << 50, forced="evict").evict_bytes == 0
+
+
+def test_forced_distributed_needs_more_than_one_rank():
+    with pytest.raises(ValueError, match="needs a world of more than one rank"):
+        tier_of(M * 4, world=1, forced="distributed")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(group=-1), "group_bytes"), (dict(free=-1), "free_bytes"), (dict(host=-1), "host_bytes"),
+    (dict(headroom=-1), "headroom_bytes"), (dict(world=0), "world_size"),
+])
+def test_flatten_tier_rejects_negative_figures(kwargs, name):
+    args = dict(free=M, world=2, host=0, headroom=H, group=M)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        tier_of(**args)
+
+
+def test_flatten_tier_rejects_unknown_tier():
+    with pytest.raises(ValueError):
+        tier_of(M, forced="gpu")
+
+
+@given(group=st.integers(0, 1 << 40), world=st.integers(1, 64), free=st.integers(0, 1 << 41),
+       host=st.integers(0, 1 << 41), headroom=st.integers(0, 1 << 32))
+def test_flatten_tier_properties(group, world, free, host, headroom):
+    """The chosen tier's extra device memory fits the budget, and no cheaper tier's would."""
+    d = choose_flatten_tier(group, world, free, host, headroom)
+    budget = free - headroom
+    window = -(-group // world)
+    if d.tier is Tier.DEVICE:
+        assert budget >= group
+    else:
+        assert budget < group
+    if d.tier is Tier.DISTRIBUTED:
+        assert world > 1 and budget >= window
+    if d.tier in (Tier.EVICT, Tier.HOST):
+        assert world == 1 or budget < window
+    if d.tier is Tier.EVICT:
+        assert d.evict_bytes == group - max(budget, 0) <= host
+        assert max(budget, 0) + d.evict_bytes >= group  # evicting that much makes room
+    if d.tier is Tier.HOST:
+        assert host < group - max(budget, 0)
+
+
+# ------------------------------------------------------------------------------------ fallbacks
+
+
+def test_flatten_fallbacks():
+    assert flatten_fallbacks(Tier.DEVICE) == (Tier.DEVICE, Tier.EVICT, Tier.HOST)
+    assert flatten_fallbacks("distributed") == (Tier.DISTRIBUTED, Tier.EVICT, Tier.HOST)
+    assert flatten_fallbacks(Tier.EVICT) == (Tier.EVICT, Tier.HOST)
+    assert flatten_fallbacks(Tier.HOST) == (Tier.HOST,)
+    for tier in Tier:  # distributed (collective) is never entered as a fallback
+        assert Tier.DISTRIBUTED not in flatten_fallbacks(tier)[1:]
+    with pytest.raises(ValueError):
+        flatten_fallbacks("gpu")
+
+
+# ------------------------------------------------------------------------------------ chunk sizes
+
+
+def test_chunk_requested_wins():
+    assert choose_chunk_bytes(0, requested=3 * MiB) == 3 * MiB
+    assert choose_chunk_bytes(1 << 50, requested=MIN_CHUNK_BYTES) == MIN_CHUNK_BYTES
+    assert choose_chunk_bytes(0, requested=5 * GiB) == 5 * GiB  # above the default cap: the caller's call
+
+
+def test_chunk_requested_below_minimum_rejected():
+    with pytest.raises(ValueError, match=r"chunk_bytes=1048575 is below the minimum of 1048576"):
+        choose_chunk_bytes(1 << 40, requested=MIN_CHUNK_BYTES - 1)
+
+
+@pytest.mark.parametrize("free, headroom, buffers, expected", [
+    (0, GiB, 2, MIN_CHUNK_BYTES),                 # nothing free: the minimum
+    (GiB, GiB, 2, MIN_CHUNK_BYTES),
+    (GiB + 80 * MiB, GiB, 2, 10 * MiB),           # a quarter of 80 MiB, over 2 buffers
+    (GiB + 81 * MiB, GiB, 2, 10 * MiB),           # rounded down to whole MiB
+    (GiB + 80 * MiB, GiB, 5, 4 * MiB),
+    (1 << 50, GiB, 2, MAX_CHUNK_BYTES),           # capped
+    (8 * GiB, 0, 2, MAX_CHUNK_BYTES),
+    (8 * MiB, 0, 1, 2 * MiB),
+])
+def test_chunk_from_free_memory(free, headroom, buffers, expected):
+    assert choose_chunk_bytes(free, headroom, buffers=buffers) == expected
+
+
+@given(free=st.integers(0, 1 << 45), headroom=st.integers(0, 1 << 34), buffers=st.integers(1, 16))
+def test_chunk_properties(free, headroom, buffers):
+    chunk = choose_chunk_bytes(free, headroom, buffers=buffers)
+    assert MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES and chunk % MiB == 0
+    if chunk > MIN_CHUNK_BYTES:  # all buffers together stay within a quarter of what is free
+        assert buffers * chunk * 4 <= free - headroom
+
+
+# ------------------------------------------------------------------------------------- evictions
+
+
+def test_evictions_examples():
+    assert choose_evictions([], 10) == []
+    assert choose_evictions([5, 7], 0) == []
+    assert choose_evictions([4, 9, 6, 12], 5) == [2]        # the smallest that covers it alone
+    assert choose_evictions([4, 9, 6, 12], 12) == [3]
+    assert choose_evictions([4, 9, 6, 12], 13) == [0, 3]    # the largest, then the smallest covering the rest
+    assert choose_evictions([4, 9, 6, 12], 100) == [0, 1, 2, 3]  # not enough: all
+    assert choose_evictions([3, 3, 3], 3) == [0]            # ties: the first
+
+
+def test_evictions_reject_negatives():
+    with pytest.raises(ValueError, match="evict_bytes"):
+        choose_evictions([1], -1)
+    with pytest.raises(ValueError, match=r"sizes\[1\]"):
+        choose_evictions([1, -2], 1)
+
+
+@given(sizes=st.lists(st.integers(0, 1000), max_size=40), need=st.integers(0, 20000))
+def test_evictions_properties(sizes, need):
+    chosen = choose_evictions(sizes, need)
+    assert chosen == sorted(set(chosen)) and all(0 <= i < len(sizes) for i in chosen)
+    freed = sum(sizes[i] for i in chosen)
+    if need == 0:
+        assert chosen == []
+    elif sum(sizes) < need:
+        assert freed == sum(sizes)  # everything that has bytes goes (zero-size ones too, harmlessly)
+    else:
+        assert freed >= need
+        assert freed - min(sizes[i] for i in chosen) < need  # just enough: without its smallest it falls short
+
+
+# ------------------------------------------------------------------------------------ probes and logs
+
+
+def test_probe_memory_on_cpu():
+    info = probe_memory("cpu")
+    assert info.source == "host" and info.device == "cpu"
+    assert info.device_free == info.host_available > 0
+    assert policy.host_available_bytes() > 0
+
+
+@pytest.mark.gpu
+def test_probe_memory_on_cuda():
+    info = probe_memory("cuda")
+    assert info.source in ("nvml", "torch")
+    assert 0 < info.device_free <= info.device_total
+    assert info.host_available > 0
+
+
+def test_log_decision(caplog):
+    decision = choose_flatten_tier(M, 4, 3 * GiB + H, 1 << 50, H)
+    memory = MemoryInfo("cuda:0", 4 * GiB, 80 * GiB, 100 * GiB, "nvml")
+    with caplog.at_level(logging.INFO, logger="ztriton"):
+        log_decision("flatten group 3", decision, memory)
+        log_decision("plain", "a string decision")
+    first, second = caplog.messages
+    assert first.startswith("ztriton flatten group 3: distributed -- free 3.00 GiB after headroom")
+    assert "[free 4.00 GiB of 80.00 GiB on cuda:0 (nvml), host 100.00 GiB]" in first
+    assert second == "ztriton plain: a string decision -- "
+
+
+def test_tier_is_a_string_enum():
+    assert Tier("evict") is Tier.EVICT and Tier.HOST == "host"
