@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ztriton  # noqa: E402
 from bench.bench_kernels import WORLD, deepspeed_flatten, llm_mix  # noqa: E402
-from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
+from bench.harness import RESULTS, measure_peak, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
 from ztriton import policy  # noqa: E402
 from ztriton.kernels import pack_plan  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
@@ -105,21 +105,6 @@ def check(buf: torch.Tensor, layout, shapes, seed: int = 0, window: tuple[int, i
         lo, hi = max(a, w0), min(b, w1)
         if lo < hi:
             assert int(torch.count_nonzero(ints[lo - w0:hi - w0])) == 0, f"pad [{a}, {b}) is not zero"
-
-
-def measure(fn):
-    """Result, seconds, and peak device bytes allocated above what was allocated before the call."""
-    if not CUDA:
-        start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start, 0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
 
 
 def free_memory() -> None:
@@ -190,7 +175,7 @@ def run_method(label, method, shapes, layout, entry, reps: int, checked: bool = 
     for rep in range(1 + reps):
         params = make_params(shapes)
         headroom = None if budget is None else budget_headroom(budget)
-        flat, secs, peak = measure(lambda: method(params, layout, shapes, headroom))
+        flat, secs, peak = measure_peak(lambda: method(params, layout, shapes, headroom))
         if rep == 0 and checked:
             check(flat, layout, shapes)
         if rep > 0 or reps == 0:

@@ -21,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.harness import RESULTS, plot_ratios, torch_copy_gbps, write_result  # noqa: E402
+from bench.harness import RESULTS, measure_peak, plot_ratios, torch_copy_gbps, write_result  # noqa: E402
 
 DTYPE = torch.bfloat16
 GiB = 1 << 30
@@ -41,21 +41,6 @@ class Experts(torch.nn.Module):
 
 def shape_for(gib: int) -> list[int]:
     return [128, 8192, 2048 * gib // 4] if gib else [4, 8, 16]  # 0: the smoke size
-
-
-def measure(fn) -> tuple[object, float, int]:
-    """Result, seconds, and peak device bytes allocated above what was allocated before the call."""
-    if not CUDA:
-        start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start, 0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
 
 
 def check_partition(module, source: torch.Tensor, world: int, rank: int) -> None:
@@ -89,7 +74,7 @@ def run_case(gib: int, world: int, figures: dict, h2d_gbps: float, copy_gbps: fl
 
     with simulated_world(world, rank):
         for label, remote in (("deepspeed_zero_init", None), ("deepspeed_zero_init_remote_cpu", "cpu")):
-            module, secs, peak = measure(ds_init(remote))
+            module, secs, peak = measure_peak(ds_init(remote))
             entry[label] = {"seconds": secs, "peak_gib": peak / GiB, "peak_over_partition": peak / part_bytes}
             del module
             _empty_cache()
@@ -105,7 +90,7 @@ def run_case(gib: int, world: int, figures: dict, h2d_gbps: float, copy_gbps: fl
             ("ztriton_pinned_source_remote_cpu", lambda: _host_module(host_source), "cpu", 0.0),
         ):
             module = make()
-            result, secs, peak = measure(lambda: ztriton.partition(module, remote_device=remote))
+            result, secs, peak = measure_peak(lambda: ztriton.partition(module, remote_device=remote))
             check_partition(module, ref if ref is not None else host_source, world, rank)
             entry[label] = {"seconds": secs, "peak_gib": peak / GiB, "peak_over_partition": peak / part_bytes,
                             "chunk_mib": result.chunk_bytes / 2**20, "floor_seconds": floor,

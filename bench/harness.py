@@ -33,6 +33,24 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 300
     return sorted(samples)[len(samples) // 2]
 
 
+def measure_peak(fn: Callable[[], object]) -> tuple[object, float, int]:
+    """Run ``fn`` once: its result, wall seconds (device synchronised), and the peak device bytes
+    allocated above what was allocated before the call (0 without CUDA)."""
+    import time
+
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start, 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
+
+
 def gbps(nbytes: int, ms: float) -> float:
     """Bytes moved (read plus written) over milliseconds, in GB/s (1e9 bytes)."""
     return nbytes / ms / 1e6

@@ -286,3 +286,12 @@ def _alias_offset(flat: torch.Tensor, tensor: torch.Tensor) -> int | None:
     if data.numel() == 0 or data.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
         return None
     return data.storage_offset() - flat.storage_offset()
+
+
+def groups_of(model: torch.nn.Module, sizes: Sequence[int]) -> list[dict]:
+    """Optimizer param groups: consecutive runs of ``sizes`` params (module level, so it pickles)."""
+    params, groups = list(model.parameters()), []
+    for i, size in enumerate(sizes):
+        start = sum(sizes[:i])
+        groups.append({"params": params[start:start + size], "lr": 1e-3 * (i + 1)})
+    return groups

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ztriton
-from ds_reference import BitsModule, bits, bits_tensor, zero12_reference
+from ds_reference import BitsModule, bits, bits_tensor, zero12_reference, groups_of
 from worlds import fake_world
 from ztriton import flatten as F
 from ztriton import policy
@@ -35,15 +35,6 @@ ds_settings = settings(deadline=None, suppress_health_check=[HealthCheck.too_slo
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def _groups_of(model, sizes):
-    """Optimizer param groups: consecutive runs of ``sizes`` params (module level, so it pickles)."""
-    params, groups = list(model.parameters()), []
-    for i, size in enumerate(sizes):
-        start = sum(sizes[:i])
-        groups.append({"params": params[start:start + size], "lr": 1e-3 * (i + 1)})
-    return groups
 
 
 @contextlib.contextmanager
@@ -150,7 +141,7 @@ def _run_flatten(factory, sizes, world_size, rank, tier, *, round_robin, alignme
     """Build the model, flatten its groups as ``rank`` of a fake world; return (result, snapshot, groups)."""
     with _world(world_size, rank, use_world), _memory(free_bytes), _packer(kernels):
         model = factory()
-        groups = _groups_of(model, sizes)
+        groups = groups_of(model, sizes)
         before = _snapshot(groups)
         result = ztriton.flatten_groups(groups, round_robin=round_robin, parameter_alignment=alignment,
                                         tier=tier, headroom_bytes=0, **options)
@@ -221,7 +212,7 @@ def test_flatten_matches_deepspeed(stage, round_robin, alignment, dtype, model, 
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
     factory = functools.partial(BitsModule, shapes, seed, dtype, frozen)
     reference = zero12_reference(factory, world_size, rank, stage, round_robin, alignment, dtype,
-                                 param_groups_fn=functools.partial(_groups_of, sizes=sizes))
+                                 param_groups_fn=functools.partial(groups_of, sizes=sizes))
     total = _group_bytes(shapes, frozen, sizes, world_size, dtype, round_robin, alignment)
     for tier in TIERS:
         if tier is Tier.DISTRIBUTED and world_size == 1:
@@ -245,7 +236,7 @@ FIXED_SIZES = [4, 7]
 def _fixed_reference(world_size, dtype=torch.bfloat16, round_robin=True, alignment=True):
     factory = functools.partial(BitsModule, FIXED_SHAPES, 3, dtype, FIXED_FROZEN)
     return zero12_reference(factory, world_size, 0, 2, round_robin, alignment, dtype,
-                            param_groups_fn=functools.partial(_groups_of, sizes=FIXED_SIZES))
+                            param_groups_fn=functools.partial(groups_of, sizes=FIXED_SIZES))
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
@@ -493,7 +484,7 @@ def test_distributed_keeps_params_without_host_room():
         with _world(2, 0), mock.patch.object(policy, "probe_memory",
                                                  lambda d: MemoryInfo(str(d), 0, 0, 10, "test")):
             model = _fixed_model()()
-            groups = _groups_of(model, FIXED_SIZES)
+            groups = groups_of(model, FIXED_SIZES)
             before = _snapshot(groups)
             result = ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True,
                                             tier="distributed", headroom_bytes=0)
@@ -506,7 +497,7 @@ def test_every_tier_out_of_memory_keeps_values(kernels):
     """When nothing fits, OutOfMemoryError names the state; every param keeps its values and shape."""
     with _failing_allocations(lambda what, n: what == "flat buffer"), _packer(kernels):
         model = _fixed_model()()
-        groups = _groups_of(model, FIXED_SIZES)
+        groups = groups_of(model, FIXED_SIZES)
         before = _snapshot(groups)
         with pytest.raises(torch.OutOfMemoryError, match=r"every tier ran out of memory.*keep their values"):
             ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True, tier="device")
@@ -654,12 +645,12 @@ def _flatten_on_gloo_rank(rank, world_size, combos):
     for stage, round_robin, alignment, dtype in combos:
         factory = functools.partial(BitsModule, FIXED_SHAPES, 3, dtype, FIXED_FROZEN)
         reference = zero12_reference(factory, world_size, rank, stage, round_robin, alignment, dtype,
-                                     param_groups_fn=functools.partial(_groups_of, sizes=FIXED_SIZES))
+                                     param_groups_fn=functools.partial(groups_of, sizes=FIXED_SIZES))
         flats = {}
         for tier, free in [(Tier.DEVICE, None), (Tier.DISTRIBUTED, 1 << 30), (Tier.DISTRIBUTED, 0)]:
             with _memory(free):
                 model = factory()
-                groups = _groups_of(model, FIXED_SIZES)
+                groups = groups_of(model, FIXED_SIZES)
                 before = _snapshot(groups)
                 result = ztriton.flatten_groups(groups, round_robin=round_robin, parameter_alignment=alignment,
                                                 tier=tier, headroom_bytes=0)
@@ -673,12 +664,12 @@ def _flatten_on_gloo_rank(rank, world_size, combos):
     dtype = torch.bfloat16
     factory = functools.partial(BitsModule, FIXED_SHAPES, 3, dtype, FIXED_FROZEN)
     reference = zero12_reference(factory, world_size, rank, 2, True, True, dtype,
-                                 param_groups_fn=functools.partial(_groups_of, sizes=FIXED_SIZES))
+                                 param_groups_fn=functools.partial(groups_of, sizes=FIXED_SIZES))
     for fail in [lambda what, n: what == "flat buffer" and n <= 1,
                  lambda what, n: what == "partition buffer" and rank == 1]:
         with _memory(0), _failing_allocations(fail):
             model = factory()
-            groups = _groups_of(model, FIXED_SIZES)
+            groups = groups_of(model, FIXED_SIZES)
             before = _snapshot(groups)
             result = ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True,
                                             tier="distributed", headroom_bytes=0)
@@ -771,7 +762,7 @@ def test_distributed_recovery_failure_is_not_an_oom():
     fail = lambda what, n: what in ("flat buffer", "host flat buffer")  # noqa: E731
     with _world(2, 0), _memory(0), _failing_allocations(fail):
         model = _fixed_model()()
-        groups = _groups_of(model, FIXED_SIZES)
+        groups = groups_of(model, FIXED_SIZES)
         with pytest.raises(RuntimeError, match=r"values now exist only in the ranks' partitions") as info:
             ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True, tier="distributed",
                                    headroom_bytes=0)

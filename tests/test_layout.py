@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_reference import BitsModule, bits, bits_tensor, zero3_reference, zero12_reference
+from ds_reference import BitsModule, bits, bits_tensor, zero3_reference, zero12_reference, groups_of
 from ztriton.layout import (NCCL_START_ALIGNMENT_FACTOR, FlatGroupLayout, param_alignment, round_robin_order,
                             zero3_slice, zero12_group_layout)
 
@@ -320,15 +320,6 @@ def test_zero3_values_come_from_rank0_gloo(gloo_world):
 # ----------------------------------------------------------- ZeRO-1/2 conformance (deepspeed.initialize)
 
 
-def _groups_of(model, sizes):
-    """Optimizer param groups: consecutive runs of ``sizes`` params (module level, so it pickles)."""
-    params, groups = list(model.parameters()), []
-    for i, size in enumerate(sizes):
-        start = sum(sizes[:i])
-        groups.append({"params": params[start:start + size], "lr": 1e-3 * (i + 1)})
-    return groups
-
-
 @st.composite
 def zero12_models(draw):
     """Shapes, frozen indices and group sizes; every group has at least one trainable non-empty param."""
@@ -389,7 +380,7 @@ def test_zero12_matches_deepspeed(stage, round_robin, alignment, dtype, model, w
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
     groups = zero12_reference(functools.partial(BitsModule, shapes, seed, dtype, frozen),
                               world_size, rank, stage, round_robin, alignment, dtype,
-                              param_groups_fn=functools.partial(_groups_of, sizes=sizes))
+                              param_groups_fn=functools.partial(groups_of, sizes=sizes))
     _check_zero12(groups, shapes, frozen, sizes, world_size, dtype, round_robin, alignment, seed)
 
 
@@ -397,7 +388,7 @@ def _zero12_on_rank(rank, world_size, shapes, frozen, sizes, seed, dtype, stage,
     """One gloo rank: ranks start from different values; the engine's broadcast must leave rank 0's."""
     factory = functools.partial(BitsModule, shapes, seed, dtype, frozen, rank_salt=True)
     return zero12_reference(factory, world_size, rank, stage, round_robin, alignment, dtype,
-                            param_groups_fn=functools.partial(_groups_of, sizes=sizes))
+                            param_groups_fn=functools.partial(groups_of, sizes=sizes))
 
 
 def test_zero12_matches_deepspeed_gloo(gloo_world):
