@@ -8,7 +8,6 @@ from typing import Callable
 import torch
 from einops import rearrange
 
-from ztriton.kernels import pack
 from ztriton.layout import zero12_group_layout, zero3_slice
 
 DTYPE = torch.bfloat16
@@ -156,11 +155,17 @@ def run(device: str, world_size: int) -> int:
     layout = zero12_group_layout([p.numel() for p in params], world_size, element_size=2)
     ordered = [params[i] for i in layout.order]
     ds_flat, ds_s, ds_peak = _measure(device, lambda: deepspeed_flatten(ordered, layout.paddings, 2 * world_size))
-    print("[demo] ZeRO-1/2 flatten: ztriton pack ...", flush=True)
+    print("[demo] ZeRO-1/2 flatten: ztriton.flatten_groups ...", flush=True)
+    # flatten_groups re-points the params it flattens, so each call (warm-up, timed) gets fresh ones,
+    # made before the measurement.
+    fresh = [[torch.nn.Parameter(t.clone()) for t in params] for _ in range(2)]
 
     def zt_flatten():
-        flat = torch.empty(layout.total_numel, dtype=DTYPE, device=device)
-        return pack(flat, ordered, list(layout.offsets))
+        import ztriton
+        from ztriton.deepspeed import simulated_world
+
+        with simulated_world(world_size, 0):
+            return ztriton.flatten_groups([fresh.pop()])[0].flat
 
     zt_flat, zt_s, zt_peak = _measure(device, zt_flatten)
     same = _same_bits(ds_flat, zt_flat)
