@@ -20,8 +20,8 @@ freshly generated params (the call consumes them: they end up aliasing the flat 
 Time is wall clock around the call (synchronised); peak is ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``, above what was allocated before the call (the params). Every result is
 checked bit for bit first: each param's bytes at its offset, zeros in every pad (the distributed tier:
-this rank's window, from the window pack). DeepSpeed itself need not be installed (bench_kernels
-copies its one helper).
+this rank's window, from the window pack). DeepSpeed's flatten is its own ``align_dense_tensors``
+with pad tensors, through ``ztriton.demo.deepspeed_flatten``.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
 from ztriton.kernels import Piece, Tuning, copy_chunk, make_plan, pack_plan  # noqa: E402
+from ztriton.demo import deepspeed_flatten as demo_deepspeed_flatten  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -49,23 +50,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def deepspeed_flatten(params, layout):
-    """DeepSpeed 0.19.8's on-device flatten: params plus fresh pad tensors, aligned, torch.cat."""
-    try:
-        from deepspeed.runtime.utils import align_dense_tensors
-    except Exception:  # same code as deepspeed.runtime.utils.align_dense_tensors
-        def align_dense_tensors(tensor_list, alignment):
-            remaining = sum(t.numel() for t in tensor_list) % alignment
-            pad = [torch.zeros(alignment - remaining, dtype=tensor_list[0].dtype, device=tensor_list[0].device)]
-            return tensor_list + pad if remaining else tensor_list
-    from torch._utils import _flatten_dense_tensors
-
-    ordered = [params[i] for i in layout.order]
-    padded = []
-    for t, pad in zip(ordered, layout.paddings):
-        padded.append(t)
-        if pad:
-            padded.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
-    return _flatten_dense_tensors(align_dense_tensors(padded, 2 * WORLD))
+    """DeepSpeed 0.19.8's on-device flatten of ``params`` in ``layout``'s order (ztriton.demo's copy of
+    ``flatten_dense_tensors_aligned``: pad tensors, ``align_dense_tensors``, ``torch.cat``)."""
+    return demo_deepspeed_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
 
 
 WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)
