@@ -1,4 +1,8 @@
 """ztriton: Triton kernels for DeepSpeed ZeRO's load-time data movement."""
+import importlib.abc as _abc
+import importlib.util as _util
+import logging as _logging
+import sys as _sys
 from pathlib import Path as _Path
 
 # The kernels' sources live in the top-level folder kernels/, installed as ztriton.kernels. In a
@@ -29,3 +33,39 @@ def __getattr__(name):
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module 'ztriton' has no attribute {name!r}")
+
+
+# The DeepSpeed config key "partition_backend" (ztriton.deepspeed.install): hooked as soon as DeepSpeed
+# is imported, without importing it here (it is slow to import and picks its accelerator on import).
+class _InstallWhenDeepSpeedLoads(_abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        _sys.meta_path.remove(self)  # one shot: the lookup below must not come back here
+        spec = _util.find_spec(name)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run_module = spec.loader.exec_module
+
+            def exec_module(module):
+                run_module(module)
+                _install_deepspeed_hooks()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _install_deepspeed_hooks():
+    from ztriton import deepspeed as _integration
+
+    try:
+        _integration.install()
+    except Exception as exc:  # a DeepSpeed whose internals moved: say so, do not break `import deepspeed`
+        _logging.getLogger("ztriton").error(
+            "ztriton could not hook DeepSpeed (%s: %s); \"partition_backend\": \"triton\" will have no effect. "
+            "ztriton supports deepspeed==0.19.8", type(exc).__name__, exc)
+
+
+if "deepspeed" in _sys.modules:
+    _install_deepspeed_hooks()
+elif not any(isinstance(f, _InstallWhenDeepSpeedLoads) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _InstallWhenDeepSpeedLoads())

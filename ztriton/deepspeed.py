@@ -1,23 +1,34 @@
 """The only module that touches DeepSpeed internals.
 
-Today it holds the ZeRO-3 parameter adapter that :mod:`ztriton.partition` uses: turn a torch
-Parameter into a DeepSpeed ZeRO-3 parameter (``ds_*`` attributes and the ``all_gather`` /
-``partition`` methods, exactly as ``zero.Init`` installs them) and hand it a partition that ztriton
-filled, without DeepSpeed's own broadcast and slicing. It also sets up DeepSpeed's communication on
-an existing torch.distributed world (:func:`deepspeed_world`, :func:`simulated_world`), which the
-demo and the tests use to play any rank of a world on torch's fake process group. The
-``"partition_backend"`` config key (issue 6) will live here too.
+* The ZeRO-3 parameter adapter that :mod:`ztriton.partitioning` uses: turn a torch Parameter into a
+  DeepSpeed ZeRO-3 parameter (``ds_*`` attributes and the ``all_gather`` / ``partition`` methods,
+  exactly as ``zero.Init`` installs them) and hand it a partition that ztriton filled, without
+  DeepSpeed's own broadcast and slicing.
+* The ``"partition_backend": "triton"`` config key (:func:`install`, run by ``import ztriton``):
+  DeepSpeed's load-time data movement is routed through ztriton (see "The config key" below).
+* DeepSpeed's communication on an existing torch.distributed world (:func:`deepspeed_world`,
+  :func:`simulated_world`), which the demo and the tests use to play any rank of a world on torch's
+  fake process group.
 """
 from __future__ import annotations
 
+import base64
 import contextlib
+import contextvars
 import datetime
+import functools
 import importlib
+import inspect
+import logging
+import math
 import os
 import sys
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
+
+logger = logging.getLogger("ztriton")
 
 # Config used when the caller gives none: ZeRO stage 3 with DeepSpeed's defaults. Only the
 # partitioning machinery is used from it (process group, remote device, persistence thresholds).
@@ -79,7 +90,410 @@ def unsupported_reason(context) -> str | None:
     if getattr(context, "num_ranks_in_param_group", 1) != getattr(context, "dp_world_size", 1) and \
             getattr(context, "zero_param_process_group", None) is not None:
         return "hpZ secondary partitions (zero_hpz_partition_size > 1)"
+    if getattr(context, "quantized_initialization", None):
+        return "quantized initialization (weight_quantization.quantized_initialization)"
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# The config key: "partition_backend": "triton" (default "torch": DeepSpeed's own code).
+#
+# install() wraps a few DeepSpeed functions; each wrapper runs DeepSpeed's original unless the config
+# in force says "triton", so without the key DeepSpeed behaves exactly as before:
+#
+# * DeepSpeedConfig.__init__        reads and validates the key (an unknown backend fails there, i.e.
+#                                   at deepspeed.initialize / zero.Init).
+# * zero.Init (Init.__init__, _post_init_method, _convert_to_zero_parameters, the tensor-creation
+#   wrappers)                       partitions through ztriton.partitioning; parameters of at least
+#                                   host_init_bytes are created in host memory, so the full tensor
+#                                   never lands on the device.
+# * DeepSpeedEngine._configure_zero_optimizer
+#                                   marks the optimizer's construction, and only it: the flattens in
+#                                   step() and checkpoint loading stay DeepSpeed's.
+# * DeepSpeedZeroOptimizer (ZeRO-1/2) its init-time flatten goes through ztriton.flatten's tiers.
+# * stage3.defragment (ZeRO-3)      lp_param_buffer is built by ztriton.defragment on the device.
+#
+# Modes ztriton does not handle fall back to DeepSpeed's code with one log line naming the mode.
+
+CONFIG_KEY = "partition_backend"
+OPTIONS_KEY = "ztriton"
+BACKENDS = ("torch", "triton")
+_OPTION_NAMES = ("host_init_bytes", "chunk_bytes", "headroom_bytes")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a DeepSpeed config asks of ztriton: the backend, and the optional ``"ztriton"`` section.
+
+    ``host_init_bytes``: parameters created inside ``zero.Init`` at least this large start in host
+    memory (default: the policy's pick, 1 GiB or less on a tight device); ``chunk_bytes``: staging
+    chunk size; ``headroom_bytes``: device memory the policy leaves free (default 1 GiB).
+    """
+
+    backend: str = "torch"
+    host_init_bytes: int | None = None
+    chunk_bytes: int | None = None
+    headroom_bytes: int | None = None
+
+    @property
+    def triton(self) -> bool:
+        return self.backend == "triton"
+
+
+def settings_from(config: Any) -> Settings:
+    """The :class:`Settings` of a DeepSpeed config: a dict, a JSON/HJSON path, a base64 string (as
+    DeepSpeed accepts) or a ``DeepSpeedConfig``; ``None`` gives the defaults (backend "torch").
+
+    Raises ``ValueError`` naming the key for an unknown backend or a malformed ``"ztriton"`` section.
+    """
+    if config is None:
+        return Settings()
+    values = _config_dict(config)
+    backend = values.get(CONFIG_KEY, "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"DeepSpeed config: {CONFIG_KEY!r} must be one of {list(BACKENDS)}, got {backend!r} "
+                         f"(\"triton\" routes ZeRO's load-time data movement through ztriton, \"torch\" keeps "
+                         "DeepSpeed's own code)")
+    options = values.get(OPTIONS_KEY) or {}
+    if not isinstance(options, dict):
+        raise ValueError(f"DeepSpeed config: {OPTIONS_KEY!r} must be a dict of {list(_OPTION_NAMES)}, got "
+                         f"{type(options).__name__}")
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"DeepSpeed config: unknown {OPTIONS_KEY!r} option(s) {unknown}; known: {list(_OPTION_NAMES)}")
+    for name, value in options.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"DeepSpeed config: {OPTIONS_KEY}.{name} must be an int >= 0 (bytes), got {value!r}")
+    return Settings(backend, **options)
+
+
+def _config_dict(config: Any) -> dict:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if isinstance(config, DeepSpeedConfig):
+        return config._param_dict
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        import hjson  # what DeepSpeedConfig reads files and base64 strings with
+
+        if os.path.exists(config):
+            with open(config) as handle:
+                return hjson.load(handle)
+        try:
+            return hjson.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"DeepSpeed config {config!r} is neither an existing file nor base64") from exc
+    if hasattr(config, "config") and isinstance(config.config, dict):  # transformers' HfDeepSpeedConfig
+        return config.config
+    raise TypeError(f"a DeepSpeed config is a dict, a path or a DeepSpeedConfig, got {type(config).__name__}")
+
+
+# Settings of the engine whose ZeRO optimizer is being constructed (None outside that construction).
+_BUILDING_OPTIMIZER: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("ztriton_optimizer", default=None)
+# (owner, name) -> (DeepSpeed's function, whether owner itself defined it rather than a base class).
+_ORIGINALS: dict[tuple[Any, str], tuple[Any, bool]] = {}
+
+
+def install() -> None:
+    """Make DeepSpeed honour ``"partition_backend"``. Idempotent; ``import ztriton`` calls it (at once if
+    DeepSpeed is imported, else when it is). Without the key DeepSpeed behaves exactly as before."""
+    if _ORIGINALS:
+        return
+    from deepspeed.runtime import config as config_module
+    from deepspeed.runtime import engine as engine_module
+    from deepspeed.runtime.zero import partition_parameters, stage3, stage_1_and_2
+
+    init = partition_parameters.Init
+    _wrap(config_module.DeepSpeedConfig, "__init__", _config_init)
+    _wrap(init, "__init__", _init_init)
+    _wrap(init, "_post_init_method", _init_post_init_method)
+    _wrap(init, "_convert_to_zero_parameters", _init_convert_to_zero_parameters)
+    _wrap(init, "_add_tensor_creation_wrappers", _init_add_tensor_creation_wrappers)
+    _wrap(engine_module.DeepSpeedEngine, "_configure_zero_optimizer", _engine_configure_zero_optimizer)
+    _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", _zero12_init)
+    _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", _zero12_flatten)
+    _wrap(stage3, "defragment", _stage3_defragment)
+
+
+def uninstall() -> None:
+    """Put DeepSpeed's functions back (tests use it to compare against an untouched DeepSpeed)."""
+    for (owner, name), (original, own) in _ORIGINALS.items():
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)  # it was inherited: let the base class's show through again
+    _ORIGINALS.clear()
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)
+
+
+def _wrap(owner: Any, name: str, wrapper: Callable) -> None:
+    original = getattr(owner, name)
+    _ORIGINALS[(owner, name)] = (original, not isinstance(owner, type) or name in owner.__dict__)
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return wrapper(original, *args, **kwargs)
+
+    setattr(owner, name, patched)
+
+
+# ---- DeepSpeedConfig: the key is read and validated wherever DeepSpeed reads a config.
+
+
+def _config_init(original, self, config, *args, **kwargs):
+    original(self, config, *args, **kwargs)
+    self.ztriton = settings_from(self._param_dict)
+
+
+# ---- zero.Init
+
+
+def _init_init(original, self, *args, **kwargs):
+    bound = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    config = bound.get("config_dict_or_path")
+    if config is None:
+        config = bound.get("config")
+    self._ztriton = settings_from(config)  # an unknown backend fails before DeepSpeed does anything
+    self._ztriton_checked = False
+    original(self, *args, **kwargs)
+    _uses_ztriton(self)  # the log line, once, even if the module creates no parameters
+
+
+def _uses_ztriton(init) -> bool:
+    """Whether this ``zero.Init`` partitions through ztriton; logs the decision once per Init."""
+    settings = getattr(init, "_ztriton", None)
+    if settings is None or not settings.triton or not hasattr(init, "remote_device"):
+        return False  # not ours, or asked before DeepSpeed's __init__ set up the devices
+    reason = unsupported_reason(init)
+    if not getattr(init, "_ztriton_checked", False):
+        init._ztriton_checked = True
+        if reason is not None:
+            logger.warning("ztriton: partition_backend='triton' falls back to DeepSpeed's zero.Init for %s, which "
+                           "ztriton does not handle", reason)
+        else:
+            logger.info("ztriton: zero.Init partitions through ztriton (partitions on %s; parameters of %s or "
+                        "more are created in host memory)", _offload_device(init) or init.local_device,
+                        _bytes(_host_init_bytes(init)))
+    return reason is None
+
+
+def _offload_device(init) -> str | None:
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    return "cpu" if init.remote_device == OffloadDeviceEnum.cpu else None
+
+
+def _host_init_bytes(init) -> int:
+    if not hasattr(init, "_ztriton_host_init_bytes"):
+        from ztriton import policy
+
+        configured = init._ztriton.host_init_bytes
+        free = 0 if configured is not None else policy.probe_memory(init.local_device).device_free
+        init._ztriton_host_init_bytes = policy.choose_host_init_bytes(free, configured)
+    return init._ztriton_host_init_bytes
+
+
+def _init_post_init_method(original, self, module):
+    if not _uses_ztriton(self):
+        return original(self, module)
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as counters
+
+    named = list(module.named_parameters(recurse=False))
+    for _, param in named:  # the totals zero.Init logs on exit
+        counters.num_module_parameters += 1
+        counters.num_module_elements += param.numel()
+    _partition_through_ztriton(self, [(n, p) for n, p in named if not is_zero3_param(p)])
+    self._keep_in_fp32(module)
+
+
+def _init_convert_to_zero_parameters(original, self, param_list):
+    if not _uses_ztriton(self):
+        return original(self, param_list)
+    params = [p for p in param_list if not is_zero3_param(p)]
+    _partition_through_ztriton(self, [(f"param[{i}]", p) for i, p in enumerate(params)])
+
+
+def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Partition ``named`` as ``init`` would, one call per partition group (MoE experts have their own)."""
+    from ztriton.partitioning import partition_params
+
+    buckets: dict[int, tuple[Any, list]] = {}
+    for name, param in named:
+        group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
+        buckets.setdefault(id(group), (group, []))[1].append((name, param))
+    settings = init._ztriton
+    for group, items in buckets.values():
+        partition_params(init, items, group, offload=_offload_device(init) == "cpu", pin_memory=init.pin_memory,
+                         chunk_bytes=_chunk_bytes(init), headroom_bytes=settings.headroom_bytes,
+                         log_level=logging.DEBUG)
+
+
+def _chunk_bytes(init) -> int:
+    """One staging chunk size per zero.Init (probing free memory per module would cost a query each)."""
+    if not hasattr(init, "_ztriton_chunk_bytes"):
+        from ztriton import policy
+
+        settings = init._ztriton
+        headroom = policy.DEFAULT_HEADROOM_BYTES if settings.headroom_bytes is None else settings.headroom_bytes
+        free = 0 if settings.chunk_bytes is not None else policy.probe_memory(init.local_device).device_free
+        world = torch.distributed.get_world_size(init.ds_process_group)
+        init._ztriton_chunk_bytes = policy.choose_chunk_bytes(free, headroom, settings.chunk_bytes, buffers=world + 1)
+    return init._ztriton_chunk_bytes
+
+
+# Tensor constructors zero.Init redirects to the device; under ztriton the large ones go to the host.
+# empty/zeros/ones are created straight in the target dtype there (same values, no full-size
+# fp32 transient); the others keep DeepSpeed's create-then-convert so their values do not change.
+_HOST_CONSTRUCTORS = {"empty": True, "zeros": True, "ones": True, "full": False, "randn": False}
+
+
+def _init_add_tensor_creation_wrappers(original, self):
+    original(self)
+    if not _uses_ztriton(self):
+        return
+    from deepspeed.runtime.zero.partition_parameters import DeepSpeedTensorOverride
+
+    target = self.dtype if DeepSpeedTensorOverride.dtype in self.tensor_overrides else None
+    for name, direct_dtype in _HOST_CONSTRUCTORS.items():
+        setattr(torch, name, _large_to_host(getattr(torch, name), name, self, target if direct_dtype else None))
+
+
+def _large_to_host(constructor: Callable, name: str, init, direct_dtype: torch.dtype | None) -> Callable:
+    threshold = _host_init_bytes(init)
+    pin = bool(init.pin_memory) and torch.cuda.is_available()
+
+    @functools.wraps(constructor)
+    def create(*args, **kwargs):
+        if kwargs.get("device") is None:
+            nbytes = _requested_bytes(name, args, kwargs)
+            if nbytes is not None and nbytes >= threshold:
+                kwargs["device"] = "cpu"
+                if pin:
+                    kwargs["pin_memory"] = True
+                dtype = kwargs.get("dtype") or torch.get_default_dtype()
+                if direct_dtype is not None and dtype.is_floating_point:
+                    kwargs["dtype"] = direct_dtype
+                init._ztriton_host_created = getattr(init, "_ztriton_host_created", 0) + 1
+                logger.debug("ztriton: %s of %s created in host memory (>= %s)", name, _bytes(nbytes), _bytes(threshold))
+        return constructor(*args, **kwargs)
+
+    return create
+
+
+def _requested_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
+    """Bytes of the tensor a constructor call asks for, None if the call is not a plain shape."""
+    size = kwargs.get("size")
+    if size is None:
+        if name == "full":
+            size = args[0] if args else None
+        elif len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+            size = args[0]
+        else:
+            size = args
+    try:
+        numel = math.prod(int(s) for s in size)
+    except (TypeError, ValueError):
+        return None
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return numel * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+# ---- the engine's optimizer construction, and the ZeRO-1/2 flatten inside it.
+
+
+def _engine_configure_zero_optimizer(original, self, *args, **kwargs):
+    settings = getattr(self._config, "ztriton", None) or settings_from(self._config)
+    token = _BUILDING_OPTIMIZER.set(settings)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _BUILDING_OPTIMIZER.reset(token)
+
+
+class _UnboundedMemory:
+    """Stands in for the accelerator's ``available_memory`` while a ZeRO-1/2 optimizer is built under
+    ztriton: DeepSpeed's own check would otherwise move every param to pageable host memory (its CPU
+    fallback); ztriton's tiers decide instead, from their own measurements."""
+
+    def __call__(self, *args, **kwargs) -> int:
+        return 1 << 62
+
+
+def _zero12_init(original, self, *args, **kwargs):
+    settings = _BUILDING_OPTIMIZER.get()
+    if settings is None or not settings.triton:
+        return original(self, *args, **kwargs)
+    from deepspeed.accelerator import get_accelerator
+
+    logger.info("ztriton: the ZeRO-1/2 optimizer's init-time flatten goes through ztriton.flatten_groups")
+    accelerator = get_accelerator()
+    shadowed = "available_memory" in vars(accelerator)
+    saved = vars(accelerator).get("available_memory")
+    accelerator.available_memory = _UnboundedMemory()
+    self._ztriton_flatten = settings
+    try:
+        original(self, *args, **kwargs)
+    finally:
+        self._ztriton_flatten = None
+        if shadowed:
+            accelerator.available_memory = saved
+        else:
+            del accelerator.available_memory
+
+
+def _zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+    settings = getattr(self, "_ztriton_flatten", None)
+    # Only the init-time call passes param_padding; step() and checkpoint loading stay DeepSpeed's.
+    if settings is None or use_cpu_data or param_padding is None:
+        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
+    index = len(self.bit16_groups_flat)
+    group = self.real_dp_process_group[index]
+    mismatch = _zero12_layout_mismatch(self, index, tensor_list, alignment, group)
+    if mismatch:
+        logger.warning("ztriton: group %d's layout differs from DeepSpeed's (%s); DeepSpeed flattens it", index, mismatch)
+        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
+    from ztriton.flatten import flatten_groups
+
+    (flat,) = flatten_groups([tensor_list], group, parameter_alignment=self.parameter_alignment,
+                             headroom_bytes=settings.headroom_bytes, chunk_bytes=settings.chunk_bytes)
+    return flat.flat
+
+
+def _zero12_layout_mismatch(optimizer, index: int, tensors: list, alignment: int, group) -> str | None:
+    """Why ztriton's layout of this group would differ from the one DeepSpeed just computed, or None."""
+    from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
+
+    world = torch.distributed.get_world_size(group)
+    if alignment != NCCL_START_ALIGNMENT_FACTOR * world:
+        return f"alignment {alignment} is not {NCCL_START_ALIGNMENT_FACTOR} x world size {world}"
+    if not all(t.requires_grad and t.numel() > 0 for t in tensors):
+        return "a frozen or empty tensor in the group"
+    layout = zero12_group_layout([t.numel() for t in tensors], world, element_size=tensors[0].element_size(),
+                                 parameter_alignment=optimizer.parameter_alignment)
+    if list(layout.offsets) != list(optimizer.round_robin_bit16_offsets[index]) or \
+            list(layout.paddings) != list(optimizer.round_robin_bit16_padding[index]):
+        return "offsets or paddings"
+    return None
+
+
+# ---- ZeRO-3: the optimizer's lp_param_buffer.
+
+
+def _stage3_defragment(original, tensors):
+    settings = _BUILDING_OPTIMIZER.get()
+    if settings is None or not settings.triton:
+        return original(tensors)
+    from ztriton.defragment import defragment
+
+    return defragment(tensors, headroom_bytes=settings.headroom_bytes)
+
+
+def _bytes(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 # --------------------------------------------------------------------------------------------

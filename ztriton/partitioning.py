@@ -33,7 +33,7 @@ from ztriton.layout import Zero3Slice, zero3_slice
 
 logger = logging.getLogger("ztriton")
 
-__all__ = ["Partitioned", "partition"]
+__all__ = ["Partitioned", "partition", "partition_params"]
 
 
 @dataclass
@@ -87,28 +87,45 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
                            "(a single process can use a world of one, or torch's fake process group)")
     named = [(n, p) for n, p in module.named_parameters() if not ds_adapter.is_zero3_param(p)]
     _check_params(named)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
+    if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of the given group; pass a group it belongs to")
-
     context = ds_adapter.zero3_context(group, remote_device, pin_memory, config)
     reason = ds_adapter.unsupported_reason(context)
     if reason is not None:
         raise NotImplementedError(f"ztriton.partition does not build partitions for {reason}; "
                                   "use deepspeed.zero.Init for this mode")
+    return partition_params(context, named, group, offload=remote_device == "cpu", pin_memory=pin_memory,
+                            chunk_bytes=chunk_bytes, headroom_bytes=headroom_bytes)
+
+
+def partition_params(context, named: list[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup | None, *,
+                     offload: bool, pin_memory: bool, chunk_bytes: int | None = None,
+                     headroom_bytes: int | None = None, log_level: int = logging.INFO) -> Partitioned:
+    """Partition ``named`` (not yet ZeRO-3 params) over ``group`` with ``context``'s ZeRO-3 machinery.
+
+    ``context`` is a ``deepspeed.zero.Init`` object (see :mod:`ztriton.deepspeed`): the converted params'
+    methods use its process group and devices. ``offload`` keeps the partitions in host memory. This
+    is :func:`partition` after its checks, and what ``zero.Init`` runs under ``"partition_backend": "triton"``.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = ds_adapter.local_device(context)
-    home = torch.device("cpu") if remote_device == "cpu" else local
+    home = torch.device("cpu") if offload else local
     path = "scatter" if world > 1 and dist.get_backend(group) != "fake" else "local"
 
     by_dtype = _entries_by_dtype(named, world)
-    memory = policy.probe_memory(local)
     headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
-    chunk = policy.choose_chunk_bytes(memory.device_free, headroom, chunk_bytes, buffers=world + 1)
+    if chunk_bytes is None:
+        memory = policy.probe_memory(local)
+        chunk = policy.choose_chunk_bytes(memory.device_free, headroom, None, buffers=world + 1)
+        figures = f"free {memory.device_free / policy.GiB:.2f} GiB on {memory.device} via {memory.source}"
+    else:
+        chunk = policy.choose_chunk_bytes(0, headroom, chunk_bytes)
+        figures = "chunk as configured"
     result = Partitioned({}, [n for n, _ in named], world, rank, path, chunk)
-    logger.info("ztriton partition: %d params in %d dtype(s) over %d ranks (rank %d), partitions on %s, path=%s "
-                "(%s), staging chunk %.1f MiB [free %.2f GiB on %s via %s]", len(named), len(by_dtype), world, rank,
-                home, path, "rank 0's values scattered" if path == "scatter" else "each rank slices its own values",
-                chunk / policy.MiB, memory.device_free / policy.GiB, memory.device, memory.source)
+    logger.log(log_level, "ztriton partition: %d params in %d dtype(s) over %d ranks (rank %d), partitions on %s, "
+               "path=%s (%s), staging chunk %.1f MiB [%s]", len(named), len(by_dtype), world, rank, home, path,
+               "rank 0's values scattered" if path == "scatter" else "each rank slices its own values",
+               chunk / policy.MiB, figures)
 
     for dtype, entries in by_dtype.items():
         total = sum(e.slice.partition_numel for e in entries)
@@ -124,9 +141,17 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
         buffer = result.buffers[entries[0].param.dtype]
         for e in entries:
             ds_adapter.convert(context, e.param)
-            view = buffer.narrow(0, e.offset, e.slice.partition_numel)
-            ds_adapter.install_partition(e.param, view, e.slice.aligned_numel, local)
+            ds_adapter.install_partition(e.param, _alias(buffer, e.offset, e.slice.partition_numel),
+                                         e.slice.aligned_numel, local)
     return result
+
+
+def _alias(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """``buffer[offset:offset + numel]`` as a tensor of its own over the same storage, not an autograd
+    view: DeepSpeed later re-points partitions (``ds_tensor.data = ...``, e.g. into the optimizer's flat
+    buffer), and a view would keep ``buffer`` alive through its ``_base`` after every partition moved."""
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), buffer.storage_offset() + offset, (numel,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,8 +245,10 @@ def _copy_range(src: torch.Tensor, start: int, count: int, out: torch.Tensor, ch
 def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_bytes: int) -> None:
     """This rank's slices of its own tensors, straight into its buffer."""
     chunk_elems = max(1, chunk_bytes // buffer.element_size())
-    _fill(buffer, _window_pieces(entries, rank, 0, buffer.numel()), chunk_elems)
-    _synchronize(buffer)
+    pieces = _window_pieces(entries, rank, 0, buffer.numel())
+    _fill(buffer, pieces, chunk_elems)
+    if any(p.src.device != buffer.device for p in pieces):
+        _synchronize(buffer)  # a non-blocking host copy may still read its source
 
 
 def _staging(rank: int, world: int, group, chunk_bytes: int, buffer: torch.Tensor, comm: torch.device):

@@ -218,3 +218,60 @@ def choose_evictions(sizes: Sequence[int], evict_bytes: int) -> list[int]:
         chosen.append(largest)
         need -= sizes[largest]
     return sorted(chosen)
+
+
+# A parameter created inside ``zero.Init`` at least this large starts in host memory (under
+# ``"partition_backend": "triton"``): the whole tensor never lands on the device, only its slices.
+MAX_HOST_INIT_BYTES = 1 * GiB
+
+
+def choose_host_init_bytes(device_free: int, configured: int | None = None) -> int:
+    """Size from which a parameter created inside ``zero.Init`` is allocated in host memory.
+
+    A configured size wins (``"ztriton": {"host_init_bytes": N}``; 0 sends every parameter to the
+    host). Otherwise 1 GiB, or an eighth of the free device memory when that is smaller: creating a
+    tensor on the device is fast (device RNG), but its full size is a transient the partition does
+    not need, and on a tight device even a few of those fail.
+    """
+    if configured is not None:
+        if not isinstance(configured, int) or configured < 0:
+            raise ValueError(f"host_init_bytes must be an int >= 0, got {configured!r}")
+        return configured
+    if device_free < 0:
+        raise ValueError(f"device_free must be >= 0, got {device_free}")
+    return max(MIN_CHUNK_BYTES, min(MAX_HOST_INIT_BYTES, device_free // 8))
+
+
+@dataclass(frozen=True)
+class DefragmentDecision:
+    """How the ZeRO-3 optimizer's flat partition buffer (``lp_param_buffer``) is built."""
+
+    tier: Tier  # DEVICE (pack beside the partitions) or EVICT (move some partitions to pinned host first)
+    reason: str
+    buffer_bytes: int
+    free_bytes: int
+    headroom_bytes: int
+    evict: tuple[int, ...] = ()  # indices of the storages to move to pinned host memory
+
+
+def choose_defragment(storage_bytes: Sequence[int], buffer_bytes: int, free_bytes: int,
+                      headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> DefragmentDecision:
+    """Pack on the device if the new buffer fits beside the partitions; else evict whole storages.
+
+    ``storage_bytes``: the device allocations the partitions now live in (a storage is freed only when
+    every partition in it has moved, so eviction counts whole storages). The evicted ones travel
+    device -> pinned host -> device once; the rest are packed device to device.
+    """
+    if buffer_bytes < 0 or free_bytes < 0 or headroom_bytes < 0:
+        raise ValueError(f"sizes must be >= 0, got buffer_bytes={buffer_bytes}, free_bytes={free_bytes}, "
+                         f"headroom_bytes={headroom_bytes}")
+    budget = free_bytes - headroom_bytes
+    facts = dict(buffer_bytes=buffer_bytes, free_bytes=free_bytes, headroom_bytes=headroom_bytes)
+    if budget >= buffer_bytes:
+        return DefragmentDecision(Tier.DEVICE, f"free {_gib(budget)} after headroom holds the flat buffer "
+                                  f"({_gib(buffer_bytes)}) beside the partitions", **facts)
+    evict = choose_evictions(storage_bytes, buffer_bytes - max(budget, 0))
+    moved = sum(storage_bytes[i] for i in evict)
+    return DefragmentDecision(Tier.EVICT, f"free {_gib(budget)} after headroom is below the flat buffer "
+                              f"({_gib(buffer_bytes)}): {len(evict)} partition storage(s), {_gib(moved)}, go through "
+                              "pinned host memory", **facts, evict=tuple(evict))

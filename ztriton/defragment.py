@@ -1,0 +1,209 @@
+"""The ZeRO-3 optimizer's flat partition buffer, built on the device.
+
+DeepSpeed's ``deepspeed.runtime.zero.utils.defragment(tensors)`` (called by the stage-3 optimizer on
+the ``ds_tensor`` partitions when they are not offloaded) returns one contiguous buffer holding the
+tensors back to back and re-points every tensor's ``.data`` into it. It gets there through a pageable
+host buffer: device -> host -> device for every byte, seconds per GiB. :func:`defragment` has the
+same contract and result, bit for bit, but:
+
+* moves nothing when the tensors already are consecutive views that fill one allocation (what
+  ``ztriton.partition`` builds for a module whose params all go to one optimizer sub-group);
+* otherwise packs them device to device with one kernel launch into a new buffer (the **device**
+  tier), when free memory holds that buffer beside the partitions;
+* otherwise (**evict**) moves just enough whole allocations to pinned host memory to make room, and
+  packs the rest device to device: one pinned round trip for only what must move.
+
+Nothing here knows DeepSpeed; ``ztriton.deepspeed`` routes DeepSpeed's call here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from ztriton import policy
+from ztriton.policy import Tier
+
+logger = logging.getLogger("ztriton")
+
+__all__ = ["defragment", "is_packed"]
+
+
+def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = None,
+               tier: Tier | str | None = None) -> torch.Tensor:
+    """One flat buffer holding ``tensors`` back to back; afterwards each tensor is a 1-D view of it.
+
+    ``tier`` forces "device" or "evict" (default: the policy's pick from free memory minus
+    ``headroom_bytes``, logged). Raises before anything moves on mixed dtypes or devices, and
+    ``torch.OutOfMemoryError`` if even the evict tier cannot allocate the buffer; every tensor then
+    still holds its values (in pinned host memory for the evicted ones, as the message says).
+    """
+    tensors = list(tensors)
+    _check(tensors)
+    if not tensors:
+        return torch.empty(0)
+    dtype, device = tensors[0].dtype, tensors[0].device
+    total = sum(t.numel() for t in tensors)
+    if is_packed(tensors):
+        logger.info("ztriton defragment: %d partitions (%s) already fill one buffer in order; nothing moves",
+                    len(tensors), _gib(total * tensors[0].element_size()))
+        return torch.empty(0, dtype=dtype, device=device).set_(tensors[0].untyped_storage(), 0, (total,))
+
+    storages = _storages(tensors)
+    itemsize = tensors[0].element_size()
+    headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
+    memory = policy.probe_memory(device)
+    decision = policy.choose_defragment([s.nbytes() for s, _ in storages], total * itemsize,
+                                        memory.device_free, headroom)
+    forced = None if tier is None else Tier(tier)
+    if forced is Tier.EVICT and decision.tier is not Tier.EVICT:
+        decision = policy.DefragmentDecision(Tier.EVICT, "forced by the caller (tier='evict')", decision.buffer_bytes,
+                                             decision.free_bytes, headroom, tuple(range(len(storages))))
+    elif forced not in (None, Tier.DEVICE, Tier.EVICT):
+        raise ValueError(f"tier must be 'device', 'evict' or None, got {tier!r}")
+    elif forced is Tier.DEVICE:
+        decision = policy.DefragmentDecision(Tier.DEVICE, "forced by the caller (tier='device')", decision.buffer_bytes,
+                                             decision.free_bytes, headroom)
+    policy.log_decision(f"defragment of {len(tensors)} partitions", decision, memory)
+
+    if decision.tier is Tier.DEVICE:
+        flat = _try_empty(total, dtype, device)
+        if flat is not None:
+            _copy_into(flat, tensors)
+            _repoint(flat, tensors)
+            return flat
+        logger.warning("ztriton defragment: the flat buffer (%s) did not fit on %s after all; evicting every "
+                       "partition to pinned host memory", _gib(total * itemsize), device)
+        decision = policy.DefragmentDecision(Tier.EVICT, "device allocation failed", decision.buffer_bytes,
+                                             decision.free_bytes, headroom, tuple(range(len(storages))))
+    return _evict_and_pack(tensors, storages, decision.evict, total)
+
+
+def is_packed(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if the tensors are contiguous views, in order and without gaps, of one storage they fill."""
+    if not tensors:
+        return False
+    storage = tensors[0].untyped_storage()
+    expected = 0
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or \
+                t.storage_offset() != expected:
+            return False
+        expected += t.numel()
+    return expected * tensors[0].element_size() == storage.nbytes()
+
+
+def _check(tensors: list[torch.Tensor]) -> None:
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
+    if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
+        kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+        raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
+
+
+def _storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, list[int]]]:
+    """The distinct storages the tensors live in, each with the indices of its tensors."""
+    by_ptr: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
+    for i, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        by_ptr.setdefault(storage.data_ptr(), (storage, []))[1].append(i)
+    return list(by_ptr.values())
+
+
+def _offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    return offsets
+
+
+def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Each tensor becomes its 1-D view of ``flat``, as DeepSpeed's defragment leaves them."""
+    storage = flat.untyped_storage()
+    for t, offset in zip(tensors, _offsets(tensors)):
+        # set_ rather than narrow: an alias with no autograd _base, so that a later re-point (DeepSpeed's
+        # offload_states) frees flat once every partition has moved
+        t.data = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, offset, (t.numel(),))
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequence[int] | None = None) -> None:
+    """Copy ``tensors`` (or the indices ``only``) to their places in ``flat``: one kernel launch for the
+    ones on flat's device, ``copy_`` (pinned: asynchronous) for the others."""
+    offsets = _offsets(tensors)
+    chosen = range(len(tensors)) if only is None else only
+    slices = [(tensors[i].reshape(-1), 0, tensors[i].numel(), offsets[i]) for i in chosen if tensors[i].numel()]
+    local = [s for s in slices if s[0].device == flat.device]
+    if local and _kernels_run_on(flat.device):
+        from ztriton.kernels import pack_slices
+
+        pack_slices(flat, local)
+        local = []
+    for src, _, count, offset in local + [s for s in slices if s[0].device != flat.device]:
+        flat.narrow(0, offset, count).copy_(src, non_blocking=src.is_pinned())
+
+
+def _evict_and_pack(tensors: list[torch.Tensor], storages, evict: Sequence[int], total: int) -> torch.Tensor:
+    """Move the storages ``evict`` names to one pinned host buffer, allocate the flat buffer in the room
+    they leave, pack the rest device to device and the evicted ones host to device."""
+    dtype, device = tensors[0].dtype, tensors[0].device
+    moved = sorted(i for s in evict for i in storages[s][1])
+    staged = _host_empty(sum(tensors[i].numel() for i in moved), dtype)
+    at = 0
+    for i in moved:  # each evicted tensor now lives in the host buffer, so its old storage can go
+        n = tensors[i].numel()
+        staged.narrow(0, at, n).copy_(tensors[i].reshape(-1), non_blocking=staged.is_pinned())
+        at += n
+    _synchronize(device)
+    at = 0
+    for i in moved:
+        n = tensors[i].numel()
+        tensors[i].data = staged.narrow(0, at, n)
+        at += n
+    del storages  # the last references to the evicted storages held here
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flat = _try_empty(total, dtype, device)
+    if flat is None:
+        raise torch.OutOfMemoryError(
+            f"ztriton defragment: cannot allocate the flat buffer ({_gib(total * tensors[0].element_size())}) on "
+            f"{device} even after moving {_gib(staged.nbytes)} of partitions to host memory; those partitions now "
+            "live in host memory, the others are untouched. Free device memory (or offload params) and retry.")
+    _copy_into(flat, tensors)
+    _synchronize(device)  # the pinned host-to-device copies must land before the host buffer goes
+    _repoint(flat, tensors)
+    return flat
+
+
+def _try_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    try:
+        return torch.empty(numel, dtype=dtype, device=device)
+    except torch.OutOfMemoryError:
+        return None
+
+
+def _host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pinned host memory when CUDA is present (copies at full speed, asynchronously), else plain."""
+    if torch.cuda.is_available():
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            logger.warning("ztriton defragment: pinning %s failed; using pageable host memory",
+                           _gib(numel * torch.empty((), dtype=dtype).element_size()))
+    return torch.empty(numel, dtype=dtype)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / policy.GiB:.2f} GiB"
