@@ -493,7 +493,10 @@ def _stage3_defragment(original, tensors):
 
 
 def _bytes(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes} B"
 
 
 # --------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def partition_params(context, named: list[tuple[str, torch.nn.Parameter]], group
         figures = f"free {memory.device_free / policy.GiB:.2f} GiB on {memory.device} via {memory.source}"
     else:
         chunk = policy.choose_chunk_bytes(0, headroom, chunk_bytes)
-        figures = "chunk as configured"
+        figures = "chunk size given by the caller"
     result = Partitioned({}, [n for n, _ in named], world, rank, path, chunk)
     logger.log(log_level, "ztriton partition: %d params in %d dtype(s) over %d ranks (rank %d), partitions on %s, "
                "path=%s (%s), staging chunk %.1f MiB [%s]", len(named), len(by_dtype), world, rank, home, path,

@@ -1,0 +1,267 @@
+"""The DeepSpeed config key ``"partition_backend": "triton"`` (ztriton/deepspeed.py), end to end.
+
+Key on versus key off must give the same bytes: zero.Init partitions, ZeRO-1/2/3 training losses and
+final parameters, the stage-3 optimizer's ``lp_param_buffer``. Simulated ranks run on torch's fake
+process group (collectives move no data, so each rank's results depend only on its own rank), real
+values that travel between ranks on gloo worlds of two processes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepspeed
+from ds_reference import BitsModule, bits, bits_tensor, dtype_config, zero3_reference
+from ztriton import deepspeed as integration
+from ztriton.layout import zero3_slice
+
+SHAPES = [(5, 7), (3,), (64, 33), (2, 3, 4), (1,)]
+
+
+def config(backend: str | None, stage: int = 3, dtype: torch.dtype = torch.bfloat16, **extra) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": stage}, **dtype_config(dtype), **extra}
+    if backend is not None:
+        cfg["partition_backend"] = backend
+    return cfg
+
+
+def valid_prefix(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
+    """Bits of the part of this rank's partition that holds values (DeepSpeed leaves the pad unset)."""
+    sl = zero3_slice(param.ds_numel, param.ds_process_group.size())
+    return bits(param.ds_tensor)[:sl.valid_numel(rank)]
+
+
+# ---------------------------------------------------------------------------------------------- install
+
+
+def test_import_installs_hooks_once_whichever_is_imported_first(tmp_path):
+    script = (
+        "import os, sys; os.environ['DS_ACCELERATOR'] = 'cpu'\n"
+        "first = sys.argv[1]\n"
+        "import importlib; importlib.import_module(first)\n"
+        "import ztriton, deepspeed\n"
+        "from ztriton import deepspeed as d\n"
+        "from deepspeed.runtime.zero import partition_parameters as pp, stage3\n"
+        "n = len(d._ORIGINALS); init = pp.Init.__init__; defrag = stage3.defragment\n"
+        "d.install(); d.install()\n"
+        "assert d.installed() and len(d._ORIGINALS) == n == 9, n\n"
+        "assert pp.Init.__init__ is init and stage3.defragment is defrag  # not wrapped twice\n"
+        "assert stage3.defragment.__wrapped__.__module__ == 'deepspeed.runtime.zero.utils'\n"
+        "d.uninstall(); assert stage3.defragment.__module__ == 'deepspeed.runtime.zero.utils'\n"
+        "assert '_add_tensor_creation_wrappers' not in vars(pp.Init)  # inherited again, as before\n"
+        "print('ok')\n")
+    for first in ("ztriton", "deepspeed"):
+        done = subprocess.run([sys.executable, "-c", script, first], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_settings_from_dict_path_base64_and_deepspeed_config(tmp_path, fake_world):
+    import base64
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = config("triton", ztriton={"host_init_bytes": 4096, "chunk_bytes": 1 << 20})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    with fake_world(2, 0):
+        ds_config = DeepSpeedConfig(cfg)
+    expected = integration.Settings("triton", host_init_bytes=4096, chunk_bytes=1 << 20)
+    for source in (cfg, str(path), path, encoded, ds_config):
+        assert integration.settings_from(source) == expected
+    assert ds_config.ztriton == expected  # DeepSpeedConfig reads the key itself
+    assert integration.settings_from(None) == integration.Settings("torch")
+    assert integration.settings_from(config(None)).backend == "torch"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"partition_backend": "trition"}, r"'partition_backend' must be one of \['torch', 'triton'\], got 'trition'"),
+    ({"partition_backend": None}, "must be one of"),
+    ({"partition_backend": "triton", "ztriton": {"host_init": 1}}, r"unknown 'ztriton' option\(s\) \['host_init'\]"),
+    ({"partition_backend": "triton", "ztriton": {"chunk_bytes": -1}}, r"ztriton.chunk_bytes must be an int >= 0"),
+    ({"partition_backend": "triton", "ztriton": [1]}, "must be a dict"),
+])
+def test_bad_config_raises_at_initialize_and_zero_init(fake_world, bad, match):
+    cfg = {**config(None, stage=2), **bad}
+    with fake_world(2, 0):
+        model = torch.nn.Linear(4, 4).bfloat16()
+        with pytest.raises(ValueError, match=match):
+            deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        with pytest.raises(ValueError, match=match):
+            deepspeed.zero.Init(config_dict_or_path=cfg)
+
+
+# ---------------------------------------------------------------------------------------------- zero.Init
+
+
+@pytest.mark.parametrize("world_size, ranks", [(1, [0]), (3, [0, 2]), (8, [5, 7])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("wrap_existing", [False, True])
+def test_zero_init_key_on_matches_key_off(world_size, ranks, dtype, wrap_existing):
+    """Under the key, zero.Init (context and module=) leaves the same params, bit for bit."""
+    for rank in ranks:
+        off = zero3_reference(lambda: BitsModule(SHAPES, seed=3), world_size, rank, dtype, wrap_existing=wrap_existing)
+        on = zero3_reference(lambda: BitsModule(SHAPES, seed=3), world_size, rank, dtype, wrap_existing=wrap_existing,
+                             config={"partition_backend": "triton", "ztriton": {"host_init_bytes": 256}})
+        for a, b in zip(off, on, strict=True):
+            assert (a.name, a.ds_shape, a.ds_numel, a.ds_numel_aligned, a.partition_numel, a.data_numel, a.status) == \
+                   (b.name, b.ds_shape, b.ds_numel, b.ds_numel_aligned, b.partition_numel, b.data_numel, b.status)
+            valid = zero3_slice(a.ds_numel, world_size).valid_numel(rank)
+            assert torch.equal(bits(a.partition)[:valid], bits(b.partition)[:valid]), (a.name, rank)
+            assert not bits(b.partition)[valid:].any(), "ztriton's partition padding is zeros"
+
+
+class Experts(torch.nn.Module):
+    """A fused-expert tensor beside small layers, created with DeepSpeed's patched constructors."""
+
+    def __init__(self, experts=8, width=16):
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts, bias=False)
+        self.experts = torch.nn.Parameter(torch.empty(experts, width, 4 * width))
+        torch.nn.init.uniform_(self.experts, -0.1, 0.1)
+        self.norm = torch.nn.LayerNorm(width)
+
+
+def test_large_params_are_created_in_host_memory_with_deepspeeds_values(fake_world, caplog):
+    """Params of host_init_bytes or more start in host memory; their values are those DeepSpeed's own
+    zero.Init gives (on the CPU both draw from the same generator, created straight in the target dtype)."""
+    threshold = 8 * 16 * 64 * 2  # the experts tensor in bf16, exactly
+    results = {}
+    for backend in ("torch", "triton"):
+        with fake_world(4, 2), caplog.at_level(logging.DEBUG, logger="ztriton"):
+            caplog.clear()
+            torch.manual_seed(0)
+            init = deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": threshold}))
+            with init:
+                model = Experts()
+            results[backend] = {n: valid_prefix(p, 2).clone() for n, p in model.named_parameters()}
+            assert model.experts.ds_tensor.dtype == torch.bfloat16
+            hosted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ztriton: empty of")]
+            if backend == "triton":
+                assert getattr(init, "_ztriton_host_created", 0) == 1, "only the experts tensor is that large"
+                assert len(hosted) == 1 and hosted[0].endswith("KiB created in host memory (>= 16.0 KiB)")
+            else:
+                assert not hasattr(init, "_ztriton_host_created") and not hosted
+    for name in results["torch"]:
+        assert torch.equal(results["torch"][name], results["triton"][name]), name
+
+
+def test_unsupported_mode_falls_back_with_one_log_line(fake_world, caplog):
+    """hpZ (secondary partitions) is DeepSpeed's alone: the key logs that and DeepSpeed partitions."""
+    extra = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
+    sizes = {}
+    for backend in ("torch", "triton"):
+        with fake_world(4, 1), caplog.at_level(logging.INFO, logger="ztriton"):
+            caplog.clear()
+            with deepspeed.zero.Init(config_dict_or_path={**config(backend), **extra}):
+                model = BitsModule(SHAPES, seed=1)
+            sizes[backend] = [(p.ds_tensor.numel(), valid_prefix(p, 1).clone()) for p in model.parameters()]
+            lines = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+            assert lines == ([] if backend == "torch" else
+                             ["ztriton: partition_backend='triton' falls back to DeepSpeed's zero.Init for hpZ "
+                              "secondary partitions (zero_hpz_partition_size > 1), which ztriton does not handle"])
+    for (n_off, v_off), (n_on, v_on) in zip(sizes["torch"], sizes["triton"]):
+        assert n_off == n_on and torch.equal(v_off, v_on)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 24)
+        self.hidden = torch.nn.Linear(24, 24)
+        self.out = torch.nn.Linear(24, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(torch.relu(self.inp(x)))))
+
+
+def train(stage: int, dtype: torch.dtype, backend: str, steps: int = 3, under_init: bool = True):
+    """Losses and final parameter bytes of a few steps of ``stage`` in the current world."""
+    cfg = config(backend, stage=stage, dtype=dtype)
+    torch.manual_seed(1234)
+    if stage == 3 and under_init:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = TinyNet()
+    else:
+        model = TinyNet().to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    data = torch.randn(steps, 2, 12, generator=torch.Generator().manual_seed(7)).to(dtype)
+    losses = []
+    for x in data:
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    rank = torch.distributed.get_rank()
+    if stage == 3:
+        final = [valid_prefix(p, rank).clone() for p in model.parameters()]
+    else:
+        final = [bits(p.data).clone() for p in model.parameters()]
+    engine.destroy()
+    return losses, final
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_training_key_on_matches_key_off(fake_world, caplog, stage, dtype):
+    # A world of one: on the fake group of more ranks, gathers would leave other ranks' parts unset.
+    with fake_world(1, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        off = train(stage, dtype, "torch")
+        assert not caplog.records
+        on = train(stage, dtype, "triton")
+    ran = " | ".join(r.getMessage() for r in caplog.records)
+    if stage == 3:  # zero.Init, then the optimizer's lp_param_buffer
+        assert "zero.Init partitions through ztriton" in ran and "ztriton defragment of 6 partitions: device" in ran
+    else:
+        assert "init-time flatten goes through ztriton" in ran and "ztriton flatten group 0: device" in ran
+    assert off[0] == on[0]
+    for a, b in zip(off[1], on[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def _train_both(rank, world_size, stage, under_init):
+    return train(stage, torch.bfloat16, "torch", under_init=under_init), \
+        train(stage, torch.bfloat16, "triton", under_init=under_init)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, under_init", [(2, False), (3, True), (3, False)])
+def test_training_key_on_matches_key_off_on_gloo(gloo_world, stage, under_init):
+    """Real collectives: gradients reduce and partitions gather across two processes."""
+    for off, on in gloo_world(_train_both, 2, stage, under_init):
+        assert off[0] == on[0]
+        for a, b in zip(off[1], on[1], strict=True):
+            assert torch.equal(a, b)
+
+
+def _salted_partitions(rank, world_size):
+    """Each rank builds different values; both backends must leave rank 0's everywhere."""
+    out = {}
+    for backend in ("torch", "triton"):
+        with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 64})):
+            model = BitsModule(SHAPES, seed=5, rank_salt=True)
+        out[backend] = [valid_prefix(p, rank).clone() for p in model.parameters()]
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            out[backend + "_full"] = [bits(p.data).clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.slow
+def test_zero_init_values_are_rank0s_on_gloo(gloo_world):
+    results = gloo_world(_salted_partitions, 2)
+    expected = [bits(bits_tensor(shape, torch.bfloat16, 5, i)) for i, shape in enumerate(SHAPES)]
+    for rank, result in enumerate(results):
+        for a, b, full_on, want in zip(result["torch"], result["triton"], result["triton_full"], expected):
+            assert torch.equal(a, b)
+            assert torch.equal(full_on, want)
