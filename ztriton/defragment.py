@@ -42,6 +42,7 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     """
     tensors = list(tensors)
     _check(tensors)
+    forced = _parse_tier(tier)
     if not tensors:
         return torch.empty(0)
     dtype, device = tensors[0].dtype, tensors[0].device
@@ -57,15 +58,10 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     memory = policy.probe_memory(device)
     decision = policy.choose_defragment([s.nbytes() for s, _ in storages], total * itemsize,
                                         memory.device_free, headroom)
-    forced = None if tier is None else Tier(tier)
-    if forced is Tier.EVICT and decision.tier is not Tier.EVICT:
-        decision = policy.DefragmentDecision(Tier.EVICT, "forced by the caller (tier='evict')", decision.buffer_bytes,
-                                             decision.free_bytes, headroom, tuple(range(len(storages))))
-    elif forced not in (None, Tier.DEVICE, Tier.EVICT):
-        raise ValueError(f"tier must be 'device', 'evict' or None, got {tier!r}")
-    elif forced is Tier.DEVICE:
-        decision = policy.DefragmentDecision(Tier.DEVICE, "forced by the caller (tier='device')", decision.buffer_bytes,
-                                             decision.free_bytes, headroom)
+    if forced is not None and forced is not decision.tier:
+        evict = tuple(range(len(storages))) if forced is Tier.EVICT else ()
+        decision = policy.DefragmentDecision(forced, f"forced by the caller (tier={forced.value!r})",
+                                             decision.buffer_bytes, decision.free_bytes, headroom, evict)
     policy.log_decision(f"defragment of {len(tensors)} partitions", decision, memory)
 
     if decision.tier is Tier.DEVICE:
@@ -79,6 +75,14 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
         decision = policy.DefragmentDecision(Tier.EVICT, "device allocation failed", decision.buffer_bytes,
                                              decision.free_bytes, headroom, tuple(range(len(storages))))
     return _evict_and_pack(tensors, storages, decision.evict, total)
+
+
+def _parse_tier(tier: Tier | str | None) -> Tier | None:
+    if tier is None:
+        return None
+    if tier not in (Tier.DEVICE, Tier.EVICT, "device", "evict"):
+        raise ValueError(f"tier must be 'device', 'evict' or None, got {tier!r}")
+    return Tier(tier)
 
 
 def is_packed(tensors: Sequence[torch.Tensor]) -> bool:
