@@ -265,3 +265,30 @@ def test_zero_init_values_are_rank0s_on_gloo(gloo_world):
         for a, b, full_on, want in zip(result["torch"], result["triton"], result["triton_full"], expected):
             assert torch.equal(a, b)
             assert torch.equal(full_on, want)
+
+
+def _build_experts_under_init(backend: str, world_size: int, experts: int, width: int) -> tuple[int, Experts]:
+    """Peak of newly allocated device memory while zero.Init builds Experts, and the model."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 64 << 20})):
+        model = Experts(experts, width)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, model
+
+
+@pytest.mark.gpu
+def test_large_param_never_lands_whole_on_the_device(fake_world):
+    """A 256 MiB bf16 fused-expert tensor at W=8: with the key the device holds its 32 MiB shard (plus
+    small params), never the whole tensor; DeepSpeed's own zero.Init holds it whole (in fp32 first)."""
+    experts, width = 32, 1024  # experts: 32 x 1024 x 4096 bf16 = 256 MiB
+    full = experts * width * 4 * width * 2
+    with fake_world(8, 3):
+        off_peak, off = _build_experts_under_init("torch", 8, experts, width)
+        on_peak, on = _build_experts_under_init("triton", 8, experts, width)
+        assert off_peak >= full, "DeepSpeed's path materialises the whole tensor on the device"
+        assert on_peak < full // 8 + (8 << 20), f"peak {on_peak / 2**20:.1f} MiB for a 32 MiB shard"
+        assert on.experts.ds_tensor.device.type == "cuda" and on.experts.ds_tensor.numel() == full // 2 // 8
+        assert off.experts.ds_tensor.numel() == on.experts.ds_tensor.numel()

@@ -243,3 +243,30 @@ def test_log_decision(caplog):
 
 def test_tier_is_a_string_enum():
     assert Tier("evict") is Tier.EVICT and Tier.HOST == "host"
+
+
+def test_host_init_threshold():
+    from ztriton.policy import GiB, MiB, choose_host_init_bytes
+
+    assert choose_host_init_bytes(139 * GiB) == 1 * GiB  # a roomy device: 1 GiB
+    assert choose_host_init_bytes(4 * GiB) == 512 * MiB  # a tight one: an eighth of what is free
+    assert choose_host_init_bytes(0) == 1 * MiB  # never below the minimum chunk
+    assert choose_host_init_bytes(139 * GiB, configured=0) == 0  # configured: every param to the host
+    assert choose_host_init_bytes(0, configured=12345) == 12345
+    with pytest.raises(ValueError, match="host_init_bytes must be an int >= 0"):
+        choose_host_init_bytes(GiB, configured=-1)
+
+
+def test_defragment_decision():
+    from ztriton.policy import GiB, Tier, choose_defragment
+
+    roomy = choose_defragment([GiB, GiB], 2 * GiB, free_bytes=10 * GiB, headroom_bytes=GiB)
+    assert roomy.tier is Tier.DEVICE and roomy.evict == ()
+    # 2.5 GiB free after headroom, 4 GiB to build: evict at least 1.5 GiB, the fewest bytes that cover it
+    tight = choose_defragment([GiB, 2 * GiB, GiB // 2, GiB // 2], 4 * GiB, free_bytes=int(3.5 * GiB), headroom_bytes=GiB)
+    assert tight.tier is Tier.EVICT and tight.evict == (1,)
+    assert "1 partition storage(s), 2.00 GiB" in tight.reason
+    nothing_free = choose_defragment([GiB, GiB], 2 * GiB, free_bytes=0, headroom_bytes=GiB)
+    assert nothing_free.evict == (0, 1)
+    with pytest.raises(ValueError, match="sizes must be >= 0"):
+        choose_defragment([GiB], -1, 0)

@@ -1,13 +1,10 @@
 """Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W]``.
 
-The demo builds a built-in MoE-shaped model and does ZeRO's two load-time data movements both ways,
-DeepSpeed's default torch path and ztriton's kernels, on the GPU if there is one and otherwise on the
-CPU (kernels under the Triton interpreter, with a much smaller model). It checks that the bytes are
-identical and prints time and peak memory side by side.
-
-What it runs today: the ZeRO-1/2 flatten of every param into one aligned flat buffer, and each rank's
-ZeRO-3 slices of every param into one per-rank buffer, through the kernels directly. The
-``ztriton.partition`` / ``ztriton.flatten_groups`` entry points will take over these steps.
+The demo builds a built-in MoE-shaped model and runs ZeRO's load-time data movements with the
+DeepSpeed config key "partition_backend" off (DeepSpeed's own code) and on (ztriton): zero.Init, the
+ZeRO-3 optimizer's flat partition buffer and the ZeRO-2 flatten, as one rank of a simulated world, on
+the GPU if there is one and otherwise on the CPU (kernels under the Triton interpreter, with a much
+smaller model). It checks that the bytes are identical and prints time and peak memory side by side.
 """
 from __future__ import annotations
 

@@ -1,14 +1,27 @@
-"""The demo behind ``python -m ztriton demo``: a built-in MoE-shaped model, both paths, side by side."""
+"""The demo behind ``python -m ztriton demo``: a built-in MoE-shaped model, DeepSpeed's default path
+and ``"partition_backend": "triton"`` side by side.
+
+Three load-time steps, each run with the key off (DeepSpeed's own code) and on (ztriton), as one rank
+of a simulated data-parallel world (torch's fake process group: every rank's layout, one process):
+
+* ZeRO-3 ``zero.Init`` building the model: the fused expert tensors are the largest params; with the
+  key they are created in host memory and only this rank's slice reaches the device.
+* ZeRO-3 ``deepspeed.initialize``: the optimizer's flat partition buffer (``lp_param_buffer``).
+* ZeRO-2 ``deepspeed.initialize``: the optimizer's flat buffer of every param (``bit16_groups_flat``).
+
+Bytes are compared (they must be identical), time and peak device memory printed side by side.
+"""
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-from einops import rearrange
 
-from ztriton.layout import zero12_group_layout, zero3_slice
+from ztriton.layout import zero3_slice
 
 DTYPE = torch.bfloat16
 
@@ -26,46 +39,204 @@ class MoEShape:
 
 GPU_SHAPE = MoEShape(hidden=2048, ffn=1024, experts=64, layers=2, vocab=32000)
 CPU_SHAPE = MoEShape(hidden=64, ffn=32, experts=4, layers=2, vocab=256)
+WARMUP_SHAPE = MoEShape(hidden=64, ffn=32, experts=4, layers=1, vocab=64)  # compiles the kernels once
 
 
-def build_params(shape: MoEShape, device: str) -> dict[str, torch.Tensor]:
-    """The model's params in bf16. The fused expert down-projection is stored transposed, as a
-    checkpoint loader may hand it over, so one source of each layer is strided."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    h, f, e = shape.hidden, shape.ffn, shape.experts
+class Weights(torch.nn.Module):
+    """Parameters of the given shapes, filled in ``__init__`` with values that do not depend on the
+    device they were created on (so the two paths can be compared bit for bit even though, with the
+    key, the large ones start in host memory). Under ``zero.Init`` each module is partitioned as soon
+    as its own ``__init__`` returns, hence one module per group of params and the fill inside it."""
 
-    def rand(*dims):
-        return torch.randn(*dims, generator=gen).to(DTYPE).to(device)
-
-    params = {"embed": rand(shape.vocab, h)}
-    for i in range(shape.layers):
-        params |= {
-            f"l{i}.norm": rand(h), f"l{i}.qkv": rand(3 * h, h), f"l{i}.o": rand(h, h), f"l{i}.router": rand(e, h),
-            f"l{i}.experts_up": rand(e, 2 * f, h),
-            f"l{i}.experts_down": rearrange(rand(e, f, h), "e f h -> e h f"),  # a strided view
-        }
-    return params
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int):
+        super().__init__()
+        for index, (name, shape) in enumerate(shapes.items()):
+            param = torch.nn.Parameter(torch.empty(shape))
+            _fill(param.data, seed * 1000 + index)
+            self.register_parameter(name, param)
 
 
-def _measure(device: str, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float, float | None]:
-    """Run ``fn`` once untimed (Triton compiles on first use), then once more: its result, seconds,
-    and the peak of newly allocated device memory (MiB)."""
-    fn()
+def _fill(data: torch.Tensor, seed: int, chunk: int = 1 << 24) -> None:
+    """Deterministic pseudo-random values in +-0.01 from exact integer arithmetic, chunk by chunk (so
+    no full-size int64 transient lands on the device)."""
+    flat = data.view(-1)
+    with torch.no_grad():
+        for start in range(0, flat.numel(), chunk):
+            n = min(chunk, flat.numel() - start)
+            idx = torch.arange(start, start + n, device=flat.device, dtype=torch.int64)
+            ints = (idx * 2654435761 + seed * 97) % 65521 - 32760
+            flat[start:start + n] = (ints.to(torch.float32) * (0.01 / 32760)).to(flat.dtype)
+
+
+class MoEModel(torch.nn.Module):
+    """Embedding, then per layer attention weights, a router and two fused expert tensors."""
+
+    def __init__(self, shape: MoEShape):
+        super().__init__()
+        h, f, e = shape.hidden, shape.ffn, shape.experts
+        self.embed = Weights({"weight": (shape.vocab, h)}, seed=1)
+        self.attention = torch.nn.ModuleList(
+            Weights({"norm": (h,), "qkv": (3 * h, h), "o": (h, h), "router": (e, h)}, seed=10 + i)
+            for i in range(shape.layers))
+        self.experts = torch.nn.ModuleList(
+            Weights({"up": (e, 2 * f, h), "down": (e, h, f)}, seed=20 + i) for i in range(shape.layers))
+
+
+def config(backend: str, stage: int, host_init_bytes: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+            "partition_backend": backend, "ztriton": {"host_init_bytes": host_init_bytes}}
+
+
+@dataclass
+class Measured:
+    seconds: float
+    peak_mib: float | None
+    bits: list[torch.Tensor]  # what must be identical between the two paths (CPU copies)
+
+
+def _measure(device: str, step: Callable[[], list[torch.Tensor]]) -> Measured:
+    """Run ``step`` once: seconds, peak of newly allocated device memory (MiB), the bytes it returns."""
+    gc.collect()
     if device == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    out = fn()
+    bits = step()
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
-    return out, seconds, peak
+    return Measured(seconds, peak, [b.to("cpu") for b in bits])
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() == b.numel() and torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
+
+
+def _valid_partitions(model: torch.nn.Module, world_size: int, rank: int) -> list[torch.Tensor]:
+    """Each param's partition up to its valid end (DeepSpeed leaves the padding uninitialised)."""
+    return [_bits(p.ds_tensor)[:zero3_slice(p.ds_numel, world_size).valid_numel(rank)].clone()
+            for p in model.parameters()]
+
+
+def zero_init_step(shape: MoEShape, backend: str, world_size: int, rank: int, host_init_bytes: int):
+    import deepspeed
+
+    def step():
+        with deepspeed.zero.Init(config_dict_or_path=config(backend, 3, host_init_bytes)):
+            model = MoEModel(shape)
+        return _valid_partitions(model, world_size, rank)
+    return step
+
+
+def zero3_optimizer_step(shape: MoEShape, backend: str, world_size: int, rank: int, host_init_bytes: int):
+    """deepspeed.initialize at stage 3 of a model built under zero.Init (not timed): lp_param_buffer."""
+    import deepspeed
+
+    cfg = config(backend, 3, host_init_bytes)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = MoEModel(shape)
+
+    def step():
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                     config=cfg)
+        flat, at, out = optimizer.lp_param_buffer, 0, []
+        for p in (p for group in optimizer.fp16_groups for p in group):
+            out.append(_bits(flat[at:at + zero3_slice(p.ds_numel, world_size).valid_numel(rank)]).clone())
+            at += p.ds_tensor.numel()
+        engine.destroy()
+        return out
+    return step
+
+
+def zero2_optimizer_step(shape: MoEShape, backend: str, device: str):
+    """deepspeed.initialize at stage 2 of a model built plainly on the device (not timed): the flatten."""
+    import deepspeed
+
+    model = MoEModel(shape).to(device=device, dtype=DTYPE)
+
+    def step():
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                     config=config(backend, 2, 0))
+        out = [_bits(flat).clone() for flat in optimizer.bit16_groups_flat]
+        engine.destroy()
+        return out
+    return step
+
+
+STEPS = (("ZeRO-3 zero.Init (model build)", "zero_init"),
+         ("ZeRO-3 initialize (lp_param_buffer)", "zero3_optimizer"),
+         ("ZeRO-2 initialize (flatten)", "zero2_optimizer"))
+
+
+def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: int, quiet: bool = False):
+    """Every step with the key off, then on, as rank 0 of the simulated world: table rows."""
+    from ztriton.deepspeed import simulated_world
+
+    rows = []
+    for label, kind in STEPS:
+        measured = {}
+        for backend in ("torch", "triton"):
+            if not quiet:
+                print(f"[demo] {label}: partition_backend={backend!r} ...", flush=True)
+            with simulated_world(world_size, 0):
+                if kind == "zero_init":
+                    step = zero_init_step(shape, backend, world_size, 0, host_init_bytes)
+                elif kind == "zero3_optimizer":
+                    step = zero3_optimizer_step(shape, backend, world_size, 0, host_init_bytes)
+                else:
+                    step = zero2_optimizer_step(shape, backend, device)
+                measured[backend] = _measure(device, step)
+                del step
+        off, on = measured["torch"], measured["triton"]
+        same = len(off.bits) == len(on.bits) and all(torch.equal(a, b) for a, b in zip(off.bits, on.bits))
+        rows.append((label, off.seconds, off.peak_mib, on.seconds, on.peak_mib, same))
+        if not quiet:
+            print(f"[demo]   bytes {'identical' if same else 'DIFFERENT'}", flush=True)
+    return rows
+
+
+def run(device: str, world_size: int) -> int:
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its per-step banners would drown the table
+    ours = logging.getLogger("ztriton")  # which path and tier ztriton took, and why
+    ours.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[demo]   %(message)s"))
+    ours.addHandler(handler)
+    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
+    # Params of this size or more are created in host memory under the key: the fused experts.
+    host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
+    numel = shape.vocab * shape.hidden + shape.layers * (
+        shape.hidden * (1 + 4 * shape.hidden + shape.experts) + 3 * shape.experts * shape.ffn * shape.hidden)
+    print(f"[demo] device={device} world_size={world_size} (simulated; this process plays rank 0) "
+          f"model={shape}: {numel * 2 / 2**20:.1f} MiB of bf16 params", flush=True)
+    if device == "cuda":
+        print("[demo] warm-up on a tiny model (compiles the kernels) ...", flush=True)
+        run_steps(WARMUP_SHAPE, device, world_size, 4096, quiet=True)
+    rows = run_steps(shape, device, world_size, host_init_bytes)
+    _print_table(rows, device)
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+def _print_table(rows, device: str) -> None:
+    def mib(v):
+        return f"{v:9.1f}" if v is not None else "      n/a"
+
+    print()
+    print(f"{'step (key off = DeepSpeed, on = ztriton)':40s} {'off s':>8s} {'peak MiB':>9s} {'on s':>8s} "
+          f"{'peak MiB':>9s} {'bytes':>10s}")
+    for name, ds_s, ds_peak, zt_s, zt_peak, same in rows:
+        print(f"{name:40s} {ds_s:8.3f} {mib(ds_peak)} {zt_s:8.3f} {mib(zt_peak)} "
+              f"{'identical' if same else 'DIFFERENT':>10s}")
+    if device == "cpu":
+        print("\n(CPU: kernels run under the Triton interpreter, so ztriton's times here say nothing about "
+              "its speed, and peak device memory is measured on CUDA only.)")
 
 
 def deepspeed_flatten(tensors, paddings, alignment):
@@ -80,114 +251,3 @@ def deepspeed_flatten(tensors, paddings, alignment):
         if pad:
             padded.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
     return _flatten_dense_tensors(align_dense_tensors(padded, alignment))
-
-
-class ParamModule(torch.nn.Module):
-    """The built-in model's tensors as parameters of one module (names with '.' become '_')."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        for name, t in tensors.items():
-            self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(t))
-
-
-ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
-
-
-def deepspeed_partition(tensors: dict[str, torch.Tensor]) -> ParamModule:
-    """DeepSpeed's path: ``zero.Init(module=...)``. Its broadcast views every param as bytes, which
-    a strided param refuses, so strided params must first be made contiguous: a full copy each."""
-    import deepspeed
-
-    module = ParamModule({n: t.contiguous() for n, t in tensors.items()})
-    deepspeed.zero.Init(module=module, config_dict_or_path=ZERO3_CONFIG)
-    return module
-
-
-def ztriton_partition(tensors: dict[str, torch.Tensor]) -> ParamModule:
-    """ztriton's path: the tensors as they are, strided ones read in place."""
-    import ztriton
-
-    module = ParamModule(tensors)
-    ztriton.partition(module)
-    return module
-
-
-def _same_partitions(a: ParamModule, b: ParamModule, world_size: int, rank: int) -> bool:
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        valid = zero3_slice(p.ds_numel, world_size).valid_numel(rank)
-        if not _same_bits(p.ds_tensor[:valid], q.ds_tensor[:valid]):
-            return False
-    return True
-
-
-def zero3_rows(tensors: dict[str, torch.Tensor], device: str, world_size: int):
-    """Partition the model as every rank of a simulated world (torch's fake process group), both ways."""
-    from ztriton.deepspeed import simulated_world
-
-    ds_total = zt_total = 0.0
-    ds_peak = zt_peak = 0.0
-    same = True
-    for rank in range(world_size):
-        with simulated_world(world_size, rank):
-            ds_module, s, peak = _measure(device, lambda: deepspeed_partition(tensors))
-            ds_total, ds_peak = ds_total + s, max(ds_peak, peak or 0.0)
-            zt_module, s, peak = _measure(device, lambda: ztriton_partition(tensors))
-            zt_total, zt_peak = zt_total + s, max(zt_peak, peak or 0.0)
-            same &= _same_partitions(ds_module, zt_module, world_size, rank)
-        print(f"[demo]   rank {rank}: {'identical' if same else 'DIFFERENT'}", flush=True)
-    on_cuda = device == "cuda"
-    return ("ZeRO-3 partition (every rank)", ds_total, ds_peak if on_cuda else None, zt_total,
-            zt_peak if on_cuda else None, same)
-
-
-def run(device: str, world_size: int) -> int:
-    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
-    print(f"[demo] device={device} world_size={world_size} model={shape}", flush=True)
-    tensors = build_params(shape, device)
-    params = list(tensors.values())
-    total = sum(p.numel() for p in params)
-    print(f"[demo] {len(params)} params, {total * 2 / 2**20:.1f} MiB bf16 "
-          f"({sum(not p.is_contiguous() for p in params)} strided)", flush=True)
-    rows = []
-
-    print("[demo] ZeRO-1/2 flatten: DeepSpeed torch.cat path ...", flush=True)
-    layout = zero12_group_layout([p.numel() for p in params], world_size, element_size=2)
-    ordered = [params[i] for i in layout.order]
-    ds_flat, ds_s, ds_peak = _measure(device, lambda: deepspeed_flatten(ordered, layout.paddings, 2 * world_size))
-    print("[demo] ZeRO-1/2 flatten: ztriton.flatten_groups ...", flush=True)
-    # flatten_groups re-points the params it flattens, so each call (warm-up, timed) gets fresh ones,
-    # made before the measurement.
-    fresh = [[torch.nn.Parameter(t.clone()) for t in params] for _ in range(2)]
-
-    def zt_flatten():
-        import ztriton
-        from ztriton.deepspeed import simulated_world
-
-        with simulated_world(world_size, 0):
-            return ztriton.flatten_groups([fresh.pop()])[0].flat
-
-    zt_flat, zt_s, zt_peak = _measure(device, zt_flatten)
-    same = _same_bits(ds_flat, zt_flat)
-    rows.append(("ZeRO-1/2 flatten", ds_s, ds_peak, zt_s, zt_peak, same))
-    del ds_flat, zt_flat
-
-    print(f"[demo] ZeRO-3: DeepSpeed zero.Init vs ztriton.partition as each of {world_size} ranks ...", flush=True)
-    rows.append(zero3_rows(tensors, device, world_size))
-
-    _print_table(rows, device)
-    return 0 if all(r[-1] for r in rows) else 1
-
-
-def _print_table(rows, device: str) -> None:
-    def mib(v):
-        return f"{v:9.1f}" if v is not None else "      n/a"
-
-    print()
-    print(f"{'step':32s} {'DeepSpeed s':>11s} {'peak MiB':>9s} {'ztriton s':>10s} {'peak MiB':>9s} {'bits':>10s}")
-    for name, ds_s, ds_peak, zt_s, zt_peak, same in rows:
-        print(f"{name:32s} {ds_s:11.4f} {mib(ds_peak)} {zt_s:10.4f} {mib(zt_peak)} "
-              f"{'identical' if same else 'DIFFERENT':>10s}")
-    if device == "cpu":
-        print("\n(CPU: kernels run under the Triton interpreter, so ztriton's times here say nothing about "
-              "its speed; peak device memory is measured on CUDA only. The first call also compiles.)")
