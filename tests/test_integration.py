@@ -292,3 +292,27 @@ def test_large_param_never_lands_whole_on_the_device(fake_world):
         assert on_peak < full // 8 + (8 << 20), f"peak {on_peak / 2**20:.1f} MiB for a 32 MiB shard"
         assert on.experts.ds_tensor.device.type == "cuda" and on.experts.ds_tensor.numel() == full // 2 // 8
         assert off.experts.ds_tensor.numel() == on.experts.ds_tensor.numel()
+
+
+def test_key_read_from_json_path_and_deepspeed_config_object(tmp_path, fake_world, caplog):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "ds_config.json"
+    with fake_world(2, 1), caplog.at_level(logging.INFO, logger="ztriton"):
+        path.write_text(json.dumps(config("triton", stage=3)))
+        with deepspeed.zero.Init(config_dict_or_path=str(path)):
+            torch.nn.Linear(4, 4)
+        with deepspeed.zero.Init(config_dict_or_path=DeepSpeedConfig(config("triton", stage=3))):
+            torch.nn.Linear(4, 4)
+        model = torch.nn.Linear(4, 4)
+        deepspeed.zero.Init(module=model, config_dict_or_path=DeepSpeedConfig(config("triton", stage=3)))
+        assert model.weight.ds_tensor.numel() == 8
+        assert [r.getMessage() for r in caplog.records].count(
+            "ztriton: zero.Init partitions through ztriton (partitions on cpu; parameters of 1.00 GiB or more are "
+            "created in host memory)") == 3
+        path.write_text(json.dumps(config("triton", stage=2)))
+        model = torch.nn.Linear(4, 4).bfloat16()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=str(path))
+        engine.destroy()
+    assert any("init-time flatten goes through ztriton" in r.getMessage() for r in caplog.records)

@@ -245,6 +245,8 @@ def _wrap(owner: Any, name: str, wrapper: Callable) -> None:
 
 
 def _config_init(original, self, config, *args, **kwargs):
+    if isinstance(config, type(self)):  # zero.Init(config_dict_or_path=<DeepSpeedConfig>): read its dict
+        config = config._param_dict
     original(self, config, *args, **kwargs)
     self.ztriton = settings_from(self._param_dict)
 
