@@ -146,7 +146,8 @@ def test_large_params_are_created_in_host_memory_with_deepspeeds_values(fake_wor
             hosted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ztriton: empty of")]
             if backend == "triton":
                 assert getattr(init, "_ztriton_host_created", 0) == 1, "only the experts tensor is that large"
-                assert len(hosted) == 1 and hosted[0].endswith("KiB created in host memory (>= 16.0 KiB)")
+                # counted in the dtype asked for (fp32), the transient DeepSpeed's path would create
+                assert hosted == ["ztriton: empty of 32.0 KiB created in host memory (>= 16.0 KiB)"]
             else:
                 assert not hasattr(init, "_ztriton_host_created") and not hosted
     for name in results["torch"]:

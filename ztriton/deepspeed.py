@@ -387,7 +387,8 @@ def _large_to_host(constructor: Callable, name: str, init, direct_dtype: torch.d
 
 
 def _requested_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
-    """Bytes of the tensor a constructor call asks for, None if the call is not a plain shape."""
+    """Bytes of the tensor a constructor call asks for (in the dtype it asks for: what DeepSpeed's path
+    would first create on the device), None if the call is not a plain shape."""
     size = kwargs.get("size")
     if size is None:
         if name == "full":
@@ -400,8 +401,8 @@ def _requested_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
         numel = math.prod(int(s) for s in size)
     except (TypeError, ValueError):
         return None
-    dtype = kwargs.get("dtype") or torch.get_default_dtype()
-    return numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    # itemsize, not a probe tensor: inside zero.Init torch.empty itself converts to the target dtype
+    return numel * (kwargs.get("dtype") or torch.get_default_dtype()).itemsize
 
 
 # ---- the engine's optimizer construction, and the ZeRO-1/2 flatten inside it.
