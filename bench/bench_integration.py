@@ -522,7 +522,16 @@ def case_zero3(shapes, layers, world: int, rank: int, name: str, host_init_bytes
                                                off["initialize"]["defragment_seconds"])
     out["time_on_over_off"] = out["initialize_time_on_over_off"]
     out["peak_on_over_off"] = out["initialize_peak_on_over_off"]
+    # The data movement itself against device copy bandwidth (read + write of every partition byte).
+    seconds = on["initialize"]["defragment_seconds"]
+    moved = 2 * on["partition_bytes"]
+    out["defragment_gbps_on"] = moved / seconds / 1e9 if seconds else None
+    out["defragment_over_copy_bandwidth"] = out["defragment_gbps_on"] / COPY_GBPS[0] \
+        if out["defragment_gbps_on"] and COPY_GBPS else None
     return out
+
+
+COPY_GBPS: list[float] = []  # torch's device copy_ bandwidth, measured once per run (main)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -602,7 +611,9 @@ def table(figures: dict) -> None:
                   f"{out['triton']['flatten_seconds']:9.4f} {out['flatten_time_on_over_off'] or 0:7.3f}")
         if out["part"] == "c":
             print(f"{'   of which the defragment':44s} {out['torch']['initialize']['defragment_seconds']:9.4f} "
-                  f"{out['triton']['initialize']['defragment_seconds']:9.4f} {out['defragment_time_on_over_off'] or 0:7.3f}")
+                  f"{out['triton']['initialize']['defragment_seconds']:9.4f} {out['defragment_time_on_over_off'] or 0:7.3f}"
+                  + (f"  ztriton at {out['defragment_over_copy_bandwidth']:.2f}x copy bandwidth"
+                     if out.get("defragment_over_copy_bandwidth") else ""))
     print("x: peak over this rank's shard (a: the experts tensor's partition), group (b: the flat buffer) or "
           "partition (c: all of this rank's partitions). (a) key on: expert values come from the CPU RNG (not compared).")
     if not CUDA:
@@ -660,6 +671,11 @@ def main() -> None:
         ds_logger.setLevel(logging.WARNING)
     for device in {"cpu", DEVICE}:
         pattern(device)  # before any measurement
+    if CUDA:
+        from bench.harness import torch_copy_gbps
+
+        COPY_GBPS.append(torch_copy_gbps(1 << 30))
+        log(f"torch copy_ bandwidth {COPY_GBPS[0]:.0f} GB/s (1 GiB, read + write)")
 
     jobs = plan(args)
     figures: dict[str, Any] = {
@@ -682,6 +698,7 @@ def main() -> None:
             "of lp_param_buffer in both backends (DeepSpeed leaves partition padding unset, so pads are not compared).",
         ],
         "cases": {},
+        "torch_copy_gbps": COPY_GBPS[0] if COPY_GBPS else None,
     }
     log(f"device {torch.cuda.get_device_name() if CUDA else 'cpu'}; plan: {', '.join(k for k, _ in jobs)}")
     failed = False
