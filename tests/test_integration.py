@@ -317,3 +317,15 @@ def test_key_read_from_json_path_and_deepspeed_config_object(tmp_path, fake_worl
                                           config=str(path))
         engine.destroy()
     assert any("init-time flatten goes through ztriton" in r.getMessage() for r in caplog.records)
+
+
+def test_long_loads_log_progress(fake_world, caplog, monkeypatch):
+    monkeypatch.setattr(integration, "PROGRESS_EVERY_BYTES", 1000)
+    with fake_world(2, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton")):
+            BitsModule([(300,), (400,), (10,)], seed=1)  # one module: 710 bf16 = 1420 bytes, past 1000
+            BitsModule([(300,)], seed=2)  # 2020 bytes: past 2000
+            BitsModule([(1,)], seed=3)  # 2022: no new mark
+    progress = [r.getMessage() for r in caplog.records if "partitioned so far" in r.getMessage()]
+    assert progress == ["ztriton zero.Init: 1.4 KiB of parameters partitioned so far (3 params)",
+                        "ztriton zero.Init: 2.0 KiB of parameters partitioned so far (4 params)"]

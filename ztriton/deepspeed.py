@@ -328,10 +328,26 @@ def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]
         group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
         buckets.setdefault(id(group), (group, []))[1].append((name, param))
     settings = init._ztriton
+    nbytes = sum(p.numel() * p.dtype.itemsize for _, p in named)
     for group, items in buckets.values():
         partition_params(init, items, group, offload=_offload_device(init) == "cpu", pin_memory=init.pin_memory,
                          chunk_bytes=_chunk_bytes(init), headroom_bytes=settings.headroom_bytes,
                          log_level=logging.DEBUG)
+    _progress(init, len(named), nbytes)
+
+
+PROGRESS_EVERY_BYTES = 16 << 30
+
+
+def _progress(init, params: int, nbytes: int) -> None:
+    """An INFO line each time another 16 GiB of parameters has been partitioned: long loads show life."""
+    before = getattr(init, "_ztriton_done_bytes", 0)
+    done = before + nbytes
+    init._ztriton_done_bytes = done
+    init._ztriton_done_params = getattr(init, "_ztriton_done_params", 0) + params
+    if done // PROGRESS_EVERY_BYTES > before // PROGRESS_EVERY_BYTES:
+        logger.info("ztriton zero.Init: %s of parameters partitioned so far (%d params)", _bytes(done),
+                    init._ztriton_done_params)
 
 
 def _chunk_bytes(init) -> int:
