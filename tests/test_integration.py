@@ -329,3 +329,24 @@ def test_long_loads_log_progress(fake_world, caplog, monkeypatch):
     progress = [r.getMessage() for r in caplog.records if "partitioned so far" in r.getMessage()]
     assert progress == ["ztriton zero.Init: 1.4 KiB of parameters partitioned so far (3 params)",
                         "ztriton zero.Init: 2.0 KiB of parameters partitioned so far (4 params)"]
+
+
+class Linspace(torch.nn.Module):
+    """A param made by an op zero.Init does not patch (linspace): fp32 inside a bf16 context."""
+
+    def __init__(self):
+        super().__init__()
+        self.ramp = torch.nn.Parameter(torch.linspace(0.1, 7.3, 11))
+        self.ints = torch.nn.Parameter(torch.arange(5, dtype=torch.int32), requires_grad=False)
+
+
+def test_param_outside_the_context_dtype_is_cast_as_deepspeed_does(fake_world):
+    got = {}
+    for backend in ("torch", "triton"):
+        with fake_world(2, 0):
+            with deepspeed.zero.Init(config_dict_or_path=config(backend)):
+                model = Linspace()
+            got[backend] = [(p.ds_tensor.dtype, valid_prefix(p, 0).clone()) for p in model.parameters()]
+    assert [d for d, _ in got["triton"]] == [torch.bfloat16, torch.int32]
+    for (d_off, v_off), (d_on, v_on) in zip(got["torch"], got["triton"], strict=True):
+        assert d_off == d_on and torch.equal(v_off, v_on)

@@ -22,8 +22,8 @@ The Mixtral case has fused 3-D expert params, the largest tensors of the model (
 ``"ztriton": {"host_init_bytes": <the smallest expert param>}`` so that exactly the expert params take the
 host-creation path of the key; that is asserted from the DEBUG lines of logger ``"ztriton"``.
 
-The Zamba case (a strict xfail) records a bug of the key: an fp32 param built inside a bf16 ``zero.Init``
-(Zamba's ``A_log``) makes ztriton's partitioning fail where DeepSpeed's own casts it to bf16.
+The Zamba case: an fp32 param built inside a bf16 ``zero.Init`` (Zamba's ``A_log``) ends up bf16 with
+DeepSpeed's own partitioning; the key must do the same (it once failed there: a pack from fp32 into bf16).
 
 Values that ztriton writes at ``zero.Init`` time are never observable here (transformers overwrites every
 partition from the checkpoint); what these tests see is where ztriton put the partitions (offsets and aliasing
@@ -340,11 +340,6 @@ def test_mixtral_from_pretrained_creates_experts_in_host_memory_and_loads_the_sa
             check_values(loaded["torch"], loaded["triton"], checkpoint, world_size, rank)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "ztriton bug: inside zero.Init, ztriton.partitioning._allocate's torch.empty(numel, dtype=float32) is "
-    "DeepSpeed's wrapped constructor and returns a bf16 buffer, and the pack kernel refuses an fp32 param as source "
-    "('sources[0] has dtype torch.float32 but dst has dtype torch.bfloat16'); DeepSpeed's own partition casts "
-    "(copy_ into its equally wrapped torch.empty) and the param ends up bf16"))
 def test_zamba_fp32_param_in_a_bf16_zero_init_loads_the_same(checkpoints, fake_world):
     """Zamba's A_log is fp32 when its module's __init__ returns; key off, DeepSpeed leaves it bf16 with the
     checkpoint's values rounded to bf16, and key on must do the same."""

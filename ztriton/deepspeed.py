@@ -323,6 +323,7 @@ def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]
     """Partition ``named`` as ``init`` would, one call per partition group (MoE experts have their own)."""
     from ztriton.partitioning import partition_params
 
+    _cast_like_deepspeed(named)
     buckets: dict[int, tuple[Any, list]] = {}
     for name, param in named:
         group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
@@ -348,6 +349,19 @@ def _progress(init, params: int, nbytes: int) -> None:
     if done // PROGRESS_EVERY_BYTES > before // PROGRESS_EVERY_BYTES:
         logger.info("ztriton zero.Init: %s of parameters partitioned so far (%d params)", _bytes(done),
                     init._ztriton_done_params)
+
+
+def _cast_like_deepspeed(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Inside a ``zero.Init`` context a floating param that is not in the context's dtype (made by an
+    unpatched op, e.g. ``torch.log(torch.arange(...))`` in fp32 under a bf16 Init) ends up in that dtype
+    with DeepSpeed: its partition is allocated by the patched ``torch.empty`` and ``copy_`` converts.
+    Do the same, so the dtype and values match (outside a context, ``torch.empty`` is torch's own and
+    nothing changes)."""
+    for _, param in named:
+        if param.is_floating_point():
+            target = torch.empty(0, dtype=param.dtype, device="cpu").dtype
+            if target != param.dtype:
+                param.data = param.data.to(target)
 
 
 def _chunk_bytes(init) -> int:
