@@ -136,7 +136,10 @@ def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     storage = flat.untyped_storage()
     with torch.no_grad():
         for t, offset in zip(tensors, _offsets(tensors)):
-            t.set_(storage, offset, (t.numel(),))
+            if t.device == flat.device:
+                t.set_(storage, offset, (t.numel(),))
+            else:  # evicted to host memory: set_ cannot change a tensor's device, .data can
+                t.data = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, offset, (t.numel(),))
 
 
 def _kernels_run_on(device: torch.device) -> bool:
