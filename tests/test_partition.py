@@ -157,6 +157,23 @@ def test_gloo_values_are_rank0s_and_updates_repartition(gloo_world, world_size, 
         assert updated == expected0  # and rank 0's update
 
 
+def _gloo_staging_sizes(rank, world_size):
+    """Ranks that picked different chunk sizes (each from its own free memory) must agree on one."""
+    from ztriton.partitioning import _staging
+
+    buffer = torch.empty(10, dtype=torch.bfloat16)
+    chunk_bytes = (2 + rank) << 20  # 2 MiB, 3 MiB, ...
+    elems, rows, recv = _staging(rank, world_size, None, chunk_bytes, buffer, torch.device("cpu"))
+    return elems, None if rows is None else tuple(rows.shape)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_with_different_chunk_sizes_agree(gloo_world):
+    results = gloo_world(_gloo_staging_sizes, 3)
+    assert [r[0] for r in results] == [(2 << 20) // 2] * 3  # everyone uses the smallest: 2 MiB of bf16
+    assert results[0][1] == (3, (2 << 20) // 2) and results[1][1] is None
+
+
 def _gloo_train(rank, world_size, use_ztriton):
     """Two SGD steps of a ZeRO-3 engine on a partitioned linear model; the losses."""
     import deepspeed

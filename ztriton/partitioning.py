@@ -86,7 +86,6 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
         raise RuntimeError("torch.distributed is not initialised: call deepspeed.init_distributed() first "
                            "(a single process can use a world of one, or torch's fake process group)")
     named = [(n, p) for n, p in module.named_parameters() if not ds_adapter.is_zero3_param(p)]
-    _check_params(named)
     if dist.get_rank(group) < 0:
         raise ValueError("this process is not a member of the given group; pass a group it belongs to")
     context = ds_adapter.zero3_context(group, remote_device, pin_memory, config)
@@ -107,6 +106,7 @@ def partition_params(context, named: list[tuple[str, torch.nn.Parameter]], group
     methods use its process group and devices. ``offload`` keeps the partitions in host memory. This
     is :func:`partition` after its checks, and what ``zero.Init`` runs under ``"partition_backend": "triton"``.
     """
+    _check_params(named)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = ds_adapter.local_device(context)
     home = torch.device("cpu") if offload else local
@@ -253,26 +253,30 @@ def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_by
 
 def _staging(rank: int, world: int, group, chunk_bytes: int, buffer: torch.Tensor, comm: torch.device):
     """Rank 0's [W, chunk] scatter staging and, where the buffer is not on the comm device, a receive
-    chunk. An allocation failure halves the chunk (down to policy.MIN_CHUNK_BYTES) instead of failing.
-    Every rank must use the same chunk, so the size is agreed on: the smallest any rank could take."""
+    chunk. Every rank must use the same chunk, yet each may have picked its own size (from its own
+    free memory): one all-reduce agrees on the smallest, or, if any rank's allocation failed, on half
+    the smallest, and every rank takes the same branch. Down to policy.MIN_CHUNK_BYTES, then fail."""
     while True:
         chunk_elems = max(1, chunk_bytes // buffer.element_size())
         try:
             recv = None if buffer.device == comm else torch.empty(chunk_elems, dtype=buffer.dtype, device=comm)
             rows = torch.empty(world, chunk_elems, dtype=buffer.dtype, device=comm) if rank == 0 else None
-            ok = 1
+            ok = True
         except torch.OutOfMemoryError:
             recv = rows = None
-            ok = 0
-        agreed = torch.tensor([ok * chunk_bytes], dtype=torch.int64, device=comm)
+            ok = False
+        # [smallest size among ranks whose allocation worked (0 if any failed), smallest size asked]
+        agreed = torch.tensor([chunk_bytes if ok else 0, chunk_bytes], dtype=torch.int64, device=comm)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        if int(agreed) == chunk_bytes:
-            return chunk_elems, rows, recv
-        if chunk_bytes <= policy.MIN_CHUNK_BYTES:
+        fitted, smallest = (int(v) for v in agreed.tolist())
+        if fitted > 0:  # every rank allocated at least `smallest`: use that much of what it holds
+            return max(1, smallest // buffer.element_size()), rows, recv
+        if smallest <= policy.MIN_CHUNK_BYTES:
             raise RuntimeError(f"cannot allocate even {policy.MIN_CHUNK_BYTES // policy.MiB} MiB of staging on {comm} "
                                "on every rank; free device memory and retry")
-        logger.warning("ztriton partition: staging of %.1f MiB did not fit on every rank; halving", chunk_bytes / policy.MiB)
-        chunk_bytes //= 2
+        logger.warning("ztriton partition: staging of %.1f MiB did not fit on every rank; halving", smallest / policy.MiB)
+        recv = rows = None
+        chunk_bytes = smallest // 2
 
 
 def _fill_scattered(buffer: torch.Tensor, entries: list[_Entry], rank: int, world: int, group, chunk_bytes: int) -> None:
