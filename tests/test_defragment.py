@@ -15,6 +15,7 @@ import torch
 import deepspeed
 from ds_reference import BitsModule, bits, bits_tensor, dtype_config
 from ztriton.defragment import defragment, is_packed
+from ztriton.policy import Tier
 from ztriton.layout import zero3_slice
 
 SHAPES = [(5, 7), (3,), (64, 33), (2, 3, 4), (1,), (17,)]
@@ -61,6 +62,45 @@ def test_forced_evict_tier_gives_the_same_bytes():
     assert torch.equal(bits(flat), bits(reference))
     assert all(t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for t in tensors)
     assert all(ref() is None for ref in storages)
+
+
+def test_evicted_storages_are_freed_before_the_flat_buffer_is_allocated(monkeypatch):
+    """The evict tier exists to make room: the old storages must be gone when the new buffer is asked for."""
+    import ztriton.defragment as D
+
+    tensors = scattered_tensors()
+    storages = [weakref.ref(t.untyped_storage()) for t in tensors]
+    alive_at_allocation = []
+    real_try_empty = D._try_empty
+
+    def spy(numel, dtype, device):
+        gc.collect()
+        alive_at_allocation.append(sum(ref() is not None for ref in storages))
+        return real_try_empty(numel, dtype, device)
+
+    monkeypatch.setattr(D, "_try_empty", spy)
+    defragment(tensors, tier="evict")
+    assert alive_at_allocation == [0]
+
+
+def test_evict_tier_moves_the_rest_when_the_buffer_still_does_not_fit(monkeypatch):
+    import ztriton.defragment as D
+
+    reference = defragment(scattered_tensors())
+    tensors = scattered_tensors()
+    attempts = []
+    real_try_empty = D._try_empty
+
+    def first_fails(numel, dtype, device):
+        attempts.append(numel)
+        return None if len(attempts) == 1 else real_try_empty(numel, dtype, device)
+
+    monkeypatch.setattr(D, "_try_empty", first_fails)
+    # a policy that evicts only the first storage, as if the rest would have fitted beside the buffer
+    monkeypatch.setattr(D.policy, "choose_defragment", lambda sizes, nbytes, free, headroom: D.policy.DefragmentDecision(
+        Tier.EVICT, "test", nbytes, free, headroom, (0,)))
+    flat = defragment(tensors, headroom_bytes=1 << 62)
+    assert len(attempts) == 2 and torch.equal(bits(flat), bits(reference))
 
 
 def test_packed_tensors_move_nothing():

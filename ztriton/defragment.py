@@ -58,7 +58,7 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     fits = memory.device_free - headroom >= total * itemsize and forced is not Tier.EVICT
     # The per-storage sizes matter only to eviction: skip walking the storages when the buffer fits.
     storages = [] if fits or forced is Tier.DEVICE else _storages(tensors)
-    decision = policy.choose_defragment([st.nbytes() for st, _ in storages] or [0], total * itemsize,
+    decision = policy.choose_defragment([nbytes for nbytes, _ in storages] or [0], total * itemsize,
                                         memory.device_free, headroom)
     if forced is not None and forced is not decision.tier:
         evict = tuple(range(len(storages))) if forced is Tier.EVICT else ()
@@ -111,12 +111,13 @@ def _check(tensors: list[torch.Tensor]) -> None:
         raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
 
 
-def _storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, list[int]]]:
-    """The distinct storages the tensors live in, each with the indices of its tensors."""
-    by_ptr: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
+def _storages(tensors: list[torch.Tensor]) -> list[tuple[int, list[int]]]:
+    """The distinct storages the tensors live in, as (bytes, indices of its tensors). No storage object
+    is kept: a reference held here would keep an evicted storage allocated."""
+    by_ptr: dict[int, tuple[int, list[int]]] = {}
     for i, t in enumerate(tensors):
         storage = t.untyped_storage()
-        by_ptr.setdefault(storage.data_ptr(), (storage, []))[1].append(i)
+        by_ptr.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1].append(i)
     return list(by_ptr.values())
 
 
@@ -166,36 +167,49 @@ def _flat_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)  # partitions are 1-D already: skip 600 reshapes
 
 
-def _evict_and_pack(tensors: list[torch.Tensor], storages, evict: Sequence[int], total: int) -> torch.Tensor:
-    """Move the storages ``evict`` names to one pinned host buffer, allocate the flat buffer in the room
-    they leave, pack the rest device to device and the evicted ones host to device."""
+def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[int]]], evict: Sequence[int],
+                    total: int) -> torch.Tensor:
+    """Move the storages ``evict`` names to pinned host memory, allocate the flat buffer in the room they
+    leave, pack the rest device to device and the evicted ones host to device. If the buffer still does
+    not fit (a storage that also holds partitions not in ``tensors`` is not freed by the move, or the
+    allocator is fragmented), move every remaining partition out too and try once more."""
     dtype, device = tensors[0].dtype, tensors[0].device
-    moved = sorted(i for s in evict for i in storages[s][1])
-    staged = _host_empty(sum(tensors[i].numel() for i in moved), dtype)
+    staged = [_move_to_host(tensors, sorted(i for s in evict for i in storages[s][1]))]
+    flat = _try_empty(total, dtype, device)
+    if flat is None:
+        staged.append(_move_to_host(tensors, [i for i, t in enumerate(tensors) if t.device == device]))
+        flat = _try_empty(total, dtype, device)
+    if flat is None:
+        moved = sum(buffer.nbytes for buffer in staged)
+        raise torch.OutOfMemoryError(
+            f"ztriton defragment: cannot allocate the flat buffer ({_gib(total * tensors[0].element_size())}) on "
+            f"{device} even after moving {_gib(moved)} of partitions to host memory; those partitions now live in "
+            "host memory (their .data is a CPU tensor). Free device memory (or offload params) and retry.")
+    _copy_into(flat, tensors)
+    _synchronize(device)  # the pinned host-to-device copies must land before the host buffers go
+    _repoint(flat, tensors)
+    return flat
+
+
+def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
+    """Copy ``tensors[indices]`` into one (pinned) host buffer and re-point them there, so that their
+    device storages can be freed; returns the host buffer."""
+    device = tensors[0].device
+    staged = _host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype)
     at = 0
-    for i in moved:  # each evicted tensor now lives in the host buffer, so its old storage can go
+    for i in indices:
         n = tensors[i].numel()
         staged.narrow(0, at, n).copy_(tensors[i].reshape(-1), non_blocking=staged.is_pinned())
         at += n
     _synchronize(device)
     at = 0
-    for i in moved:
+    for i in indices:
         n = tensors[i].numel()
         tensors[i].data = staged.narrow(0, at, n)
         at += n
-    del storages  # the last references to the evicted storages held here
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    flat = _try_empty(total, dtype, device)
-    if flat is None:
-        raise torch.OutOfMemoryError(
-            f"ztriton defragment: cannot allocate the flat buffer ({_gib(total * tensors[0].element_size())}) on "
-            f"{device} even after moving {_gib(staged.nbytes)} of partitions to host memory; those partitions now "
-            "live in host memory, the others are untouched. Free device memory (or offload params) and retry.")
-    _copy_into(flat, tensors)
-    _synchronize(device)  # the pinned host-to-device copies must land before the host buffer goes
-    _repoint(flat, tensors)
-    return flat
+    return staged
 
 
 def _try_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -203,6 +217,10 @@ def _try_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
         return torch.empty(numel, dtype=dtype, device=device)
     except torch.OutOfMemoryError:
         return None
+    except RuntimeError as exc:  # the CPU allocator's out-of-memory is a plain RuntimeError
+        if "allocat" in str(exc):
+            return None
+        raise
 
 
 def _host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
