@@ -50,7 +50,7 @@ def test_import_installs_hooks_once_whichever_is_imported_first(tmp_path):
         "from deepspeed.runtime.zero import partition_parameters as pp, stage3\n"
         "n = len(d._ORIGINALS); init = pp.Init.__init__; defrag = stage3.defragment\n"
         "d.install(); d.install()\n"
-        "assert d.installed() and len(d._ORIGINALS) == n == 9, n\n"
+        "assert d.installed() and len(d._ORIGINALS) == n == 10, n\n"
         "assert pp.Init.__init__ is init and stage3.defragment is defrag  # not wrapped twice\n"
         "assert stage3.defragment.__wrapped__.__module__ == 'deepspeed.runtime.zero.utils'\n"
         "d.uninstall(); assert stage3.defragment.__module__ == 'deepspeed.runtime.zero.utils'\n"
@@ -87,6 +87,7 @@ def test_settings_from_dict_path_base64_and_deepspeed_config(tmp_path, fake_worl
     ({"partition_backend": "triton", "ztriton": {"host_init": 1}}, r"unknown 'ztriton' option\(s\) \['host_init'\]"),
     ({"partition_backend": "triton", "ztriton": {"chunk_bytes": -1}}, r"ztriton.chunk_bytes must be an int >= 0"),
     ({"partition_backend": "triton", "ztriton": [1]}, "must be a dict"),
+    ({"partition_backend": "triton", "ztriton": {"chunk_bytes": 4096}}, "chunk_bytes must be at least 1 MiB"),
 ])
 def test_bad_config_raises_at_initialize_and_zero_init(fake_world, bad, match):
     cfg = {**config(None, stage=2), **bad}
@@ -350,3 +351,25 @@ def test_param_outside_the_context_dtype_is_cast_as_deepspeed_does(fake_world):
     assert [d for d, _ in got["triton"]] == [torch.bfloat16, torch.int32]
     for (d_off, v_off), (d_on, v_on) in zip(got["torch"], got["triton"], strict=True):
         assert d_off == d_on and torch.equal(v_off, v_on)
+
+
+def test_deprecated_config_argument_wins_as_in_deepspeed(fake_world, caplog):
+    """zero.Init(config_dict_or_path=A, config=B) uses B in DeepSpeed; the key must be read from B too."""
+    with fake_world(2, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton"), config=config("torch")):
+            torch.nn.Linear(4, 4)
+        assert not [r for r in caplog.records if "partitions through ztriton" in r.getMessage()]
+        with deepspeed.zero.Init(config_dict_or_path=config("torch"), config=config("triton")):
+            torch.nn.Linear(4, 4)
+        assert [r for r in caplog.records if "partitions through ztriton" in r.getMessage()]
+
+
+def test_free_memory_is_reported_truly_outside_the_optimizers_construction(fake_world):
+    from deepspeed.accelerator import get_accelerator
+
+    with fake_world(1, 0):
+        model = torch.nn.Linear(4, 4).bfloat16()
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          config=config("triton", stage=2))
+        engine.destroy()
+        assert get_accelerator().available_memory() < 1 << 62

@@ -164,6 +164,9 @@ def settings_from(config: Any) -> Settings:
     for name, value in options.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"DeepSpeed config: {OPTIONS_KEY}.{name} must be an int >= 0 (bytes), got {value!r}")
+    if options.get("chunk_bytes") is not None and options["chunk_bytes"] < 1 << 20:
+        raise ValueError(f"DeepSpeed config: {OPTIONS_KEY}.chunk_bytes must be at least 1 MiB (1048576), "
+                         f"got {options['chunk_bytes']}")
     return Settings(backend, **options)
 
 
@@ -214,6 +217,9 @@ def install() -> None:
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", _zero12_init)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", _zero12_flatten)
     _wrap(stage3, "defragment", _stage3_defragment)
+    from deepspeed.accelerator import get_accelerator
+
+    _wrap(type(get_accelerator()), "available_memory", _accelerator_available_memory)
 
 
 def uninstall() -> None:
@@ -256,9 +262,9 @@ def _config_init(original, self, config, *args, **kwargs):
 
 def _init_init(original, self, *args, **kwargs):
     bound = inspect.signature(original).bind(self, *args, **kwargs).arguments
-    config = bound.get("config_dict_or_path")
+    config = bound.get("config")  # DeepSpeed's precedence: the deprecated config= wins when given
     if config is None:
-        config = bound.get("config")
+        config = bound.get("config_dict_or_path")
     self._ztriton = settings_from(config)  # an unknown backend fails before DeepSpeed does anything
     self._ztriton_checked = False
     original(self, *args, **kwargs)
@@ -447,35 +453,29 @@ def _engine_configure_zero_optimizer(original, self, *args, **kwargs):
         _BUILDING_OPTIMIZER.reset(token)
 
 
-class _UnboundedMemory:
-    """Stands in for the accelerator's ``available_memory`` while a ZeRO-1/2 optimizer is built under
-    ztriton: DeepSpeed's own check would otherwise move every param to pageable host memory (its CPU
-    fallback); ztriton's tiers decide instead, from their own measurements."""
+# While a ZeRO-1/2 optimizer is built under the key, the accelerator reports unbounded free memory:
+# DeepSpeed's own check would otherwise move every param to pageable host memory (its CPU fallback);
+# ztriton's tiers decide instead, from their own measurements. A context variable, not a patch set and
+# unset on the shared accelerator object, so other threads and later engines see the real figure.
+_SPOOF_FREE_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar("ztriton_spoof_memory", default=False)
 
-    def __call__(self, *args, **kwargs) -> int:
-        return 1 << 62
+
+def _accelerator_available_memory(original, self, *args, **kwargs):
+    return 1 << 62 if _SPOOF_FREE_MEMORY.get() else original(self, *args, **kwargs)
 
 
 def _zero12_init(original, self, *args, **kwargs):
     settings = _BUILDING_OPTIMIZER.get()
     if settings is None or not settings.triton:
         return original(self, *args, **kwargs)
-    from deepspeed.accelerator import get_accelerator
-
     logger.info("ztriton: the ZeRO-1/2 optimizer's init-time flatten goes through ztriton.flatten_groups")
-    accelerator = get_accelerator()
-    shadowed = "available_memory" in vars(accelerator)
-    saved = vars(accelerator).get("available_memory")
-    accelerator.available_memory = _UnboundedMemory()
+    token = _SPOOF_FREE_MEMORY.set(True)
     self._ztriton_flatten = settings
     try:
         original(self, *args, **kwargs)
     finally:
         self._ztriton_flatten = None
-        if shadowed:
-            accelerator.available_memory = saved
-        else:
-            del accelerator.available_memory
+        _SPOOF_FREE_MEMORY.reset(token)
 
 
 def _zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
