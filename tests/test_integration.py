@@ -373,3 +373,34 @@ def test_free_memory_is_reported_truly_outside_the_optimizers_construction(fake_
                                           config=config("triton", stage=2))
         engine.destroy()
         assert get_accelerator().available_memory() < 1 << 62
+
+
+class WithMask(torch.nn.Module):
+    """A large non-parameter tensor kept as a buffer (older Llama's causal mask), beside a param."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(64, 64))
+        self.register_buffer("mask", torch.full((64, 64), True, dtype=torch.bool))
+        self.register_buffer("small", torch.zeros(3))
+
+
+def test_large_buffers_go_where_deepspeed_puts_them(fake_world, monkeypatch):
+    """Buffers are not partitioned: one created in host memory for its size must end on the local device."""
+    moved = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        if getattr(self, "_ztriton_host_created", False):
+            moved.append(tuple(self.shape))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    with fake_world(2, 0):
+        init = deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 4096}))
+        with init:
+            model = WithMask()
+    assert init._ztriton_host_created == 2  # the weight (64 x 64 fp32) and the mask (4 KiB of bool)
+    assert moved == [(64, 64)]  # the mask went back to the local device; the small buffer was never moved
+    assert model.mask.device == torch.device(init.local_device) and bool(model.mask.all())
+    assert not getattr(model.small, "_ztriton_host_created", False)

@@ -315,7 +315,17 @@ def _init_post_init_method(original, self, module):
         counters.num_module_parameters += 1
         counters.num_module_elements += param.numel()
     _partition_through_ztriton(self, [(n, p) for n, p in named if not is_zero3_param(p)])
+    _buffers_to_device(self, module)
     self._keep_in_fp32(module)
+
+
+def _buffers_to_device(init, module: torch.nn.Module) -> None:
+    """Large tensors the module made in host memory (see _large_to_host) that became buffers, not
+    params: buffers are never partitioned, and the engine does not move a zero.Init model, so they
+    go where DeepSpeed's own zero.Init would have created them."""
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        if buffer is not None and getattr(buffer, "_ztriton_host_created", False):
+            module._buffers[name] = buffer.to(init.local_device)
 
 
 def _init_convert_to_zero_parameters(original, self, param_list):
@@ -417,6 +427,9 @@ def _large_to_host(constructor: Callable, name: str, init, direct_dtype: torch.d
                     kwargs["dtype"] = direct_dtype
                 init._ztriton_host_created = getattr(init, "_ztriton_host_created", 0) + 1
                 logger.debug("ztriton: %s of %s created in host memory (>= %s)", name, _bytes(nbytes), _bytes(threshold))
+                tensor = constructor(*args, **kwargs)
+                tensor._ztriton_host_created = True  # a buffer made from it goes back to the device
+                return tensor
         return constructor(*args, **kwargs)
 
     return create
