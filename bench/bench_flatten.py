@@ -45,7 +45,8 @@ import torch.distributed as dist  # noqa: E402
 
 import ztriton  # noqa: E402
 from bench.bench_kernels import WORLD, deepspeed_flatten, llm_mix  # noqa: E402
-from bench.harness import RESULTS, measure_peak, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
+from bench.harness import (RESULTS, free_device_memory as free_memory, gbps, measure_peak, plot_ratios,  # noqa: E402
+                           time_ms, torch_copy_gbps, write_result)
 from ztriton import policy  # noqa: E402
 from ztriton.kernels import pack_plan  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
@@ -105,18 +106,6 @@ def check(buf: torch.Tensor, layout, shapes, seed: int = 0, window: tuple[int, i
         lo, hi = max(a, w0), min(b, w1)
         if lo < hi:
             assert int(torch.count_nonzero(ints[lo - w0:hi - w0])) == 0, f"pad [{a}, {b}) is not zero"
-
-
-def free_memory() -> None:
-    """Give cached device and pinned host memory back, so that one method's cache does not crowd the next."""
-    if not CUDA:
-        return
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
-        getattr(torch._C, "_host_emptyCache", None)
-    if empty_host is not None:
-        empty_host()
 
 
 def budget_headroom(budget: int) -> int:

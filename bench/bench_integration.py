@@ -59,7 +59,7 @@ import deepspeed  # noqa: E402
 from deepspeed.runtime.zero import stage3, stage_1_and_2  # noqa: E402
 
 from bench.bench_kernels import llm_mix  # noqa: E402
-from bench.harness import RESULTS, measure_peak, plot_ratios, write_result  # noqa: E402
+from bench.harness import RESULTS, free_device_memory, measure_peak, plot_ratios, write_result  # noqa: E402
 from ztriton import deepspeed as integration  # noqa: E402
 from ztriton.layout import zero3_slice  # noqa: E402
 
@@ -85,13 +85,7 @@ def log(message: str) -> None:
 def release() -> None:
     """Free what the last case left: Python garbage, the device cache, torch's pinned host cache."""
     gc.collect()
-    if CUDA:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
-            getattr(torch._C, "_host_emptyCache", None)
-        if empty_host is not None:
-            empty_host()
+    free_device_memory()
 
 
 def allocated() -> int:

@@ -119,3 +119,15 @@ def plot_ratios(path: Path, title: str, labels: list[str], series: dict[str, lis
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def free_device_memory() -> None:
+    """Give cached device and pinned host memory back, so that one case's cache does not crowd the next."""
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
