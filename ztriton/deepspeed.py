@@ -383,13 +383,12 @@ def _cast_like_deepspeed(named: list[tuple[str, torch.nn.Parameter]]) -> None:
 def _chunk_bytes(init) -> int:
     """One staging chunk size per zero.Init (probing free memory per module would cost a query each)."""
     if not hasattr(init, "_ztriton_chunk_bytes"):
-        from ztriton import policy
+        from ztriton.partitioning import staging_chunk_bytes
 
         settings = init._ztriton
-        headroom = policy.DEFAULT_HEADROOM_BYTES if settings.headroom_bytes is None else settings.headroom_bytes
-        free = 0 if settings.chunk_bytes is not None else policy.probe_memory(init.local_device).device_free
         world = torch.distributed.get_world_size(init.ds_process_group)
-        init._ztriton_chunk_bytes = policy.choose_chunk_bytes(free, headroom, settings.chunk_bytes, buffers=world + 1)
+        init._ztriton_chunk_bytes, _ = staging_chunk_bytes(init.local_device, world, settings.headroom_bytes,
+                                                           settings.chunk_bytes)
     return init._ztriton_chunk_bytes
 
 

@@ -18,12 +18,12 @@ Nothing here knows DeepSpeed; ``ztriton.deepspeed`` routes DeepSpeed's call here
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 import torch
 
 from ztriton import policy
+from ztriton.buffers import alias, kernels_run_on, synchronize
 from ztriton.policy import Tier
 
 logger = logging.getLogger("ztriton")
@@ -50,7 +50,7 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     if is_packed(tensors):
         logger.info("ztriton defragment: %d partitions (%s) already fill one buffer in order; nothing moves",
                     len(tensors), _gib(total * tensors[0].element_size()))
-        return torch.empty(0, dtype=dtype, device=device).set_(tensors[0].untyped_storage(), 0, (total,))
+        return alias(tensors[0].untyped_storage(), 0, total, dtype, device)
 
     itemsize = tensors[0].element_size()
     headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
@@ -140,11 +140,7 @@ def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
             if t.device == flat.device:
                 t.set_(storage, offset, (t.numel(),))
             else:  # evicted to host memory: set_ cannot change a tensor's device, .data can
-                t.data = torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, offset, (t.numel(),))
-
-
-def _kernels_run_on(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+                t.data = alias(storage, offset, t.numel(), flat.dtype, flat.device)
 
 
 def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequence[int] | None = None) -> None:
@@ -154,7 +150,7 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequen
     chosen = range(len(tensors)) if only is None else only
     slices = [(_flat_view(tensors[i]), 0, tensors[i].numel(), offsets[i]) for i in chosen if tensors[i].numel()]
     local = [s for s in slices if s[0].device == flat.device]
-    if local and _kernels_run_on(flat.device):
+    if local and kernels_run_on(flat.device):
         from ztriton.kernels import pack_slices
 
         pack_slices(flat, local)
@@ -186,7 +182,7 @@ def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[
             f"{device} even after moving {_gib(moved)} of partitions to host memory; those partitions now live in "
             "host memory (their .data is a CPU tensor). Free device memory (or offload params) and retry.")
     _copy_into(flat, tensors)
-    _synchronize(device)  # the pinned host-to-device copies must land before the host buffers go
+    synchronize(device)  # the pinned host-to-device copies must land before the host buffers go
     _repoint(flat, tensors)
     return flat
 
@@ -201,7 +197,7 @@ def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> torch.
         n = tensors[i].numel()
         staged.narrow(0, at, n).copy_(tensors[i].reshape(-1), non_blocking=staged.is_pinned())
         at += n
-    _synchronize(device)
+    synchronize(device)
     at = 0
     for i in indices:
         n = tensors[i].numel()
@@ -232,11 +228,6 @@ def _host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             logger.warning("ztriton defragment: pinning %s failed; using pageable host memory",
                            _gib(numel * torch.empty((), dtype=dtype).element_size()))
     return torch.empty(numel, dtype=dtype)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _gib(nbytes: int) -> str:

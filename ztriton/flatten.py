@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ztriton import policy
+from ztriton.buffers import synchronize
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
 from ztriton.policy import FlattenDecision, Tier
 
@@ -460,7 +461,7 @@ def _evict_tier(g: _Group, run: _Run) -> torch.Tensor:
     _pack(flat, [g.params[k].detach() for k in on_device], [g.offsets[k] for k in on_device])
     for k in sorted(g.evicted):
         _copy_in_chunks(flat, g.offsets[k], g.params[k].detach(), chunk)
-    _synchronize(g.device)
+    synchronize(g.device)
     return flat
 
 
@@ -477,7 +478,7 @@ def _host_tier(g: _Group, run: _Run) -> torch.Tensor:
         g.evicted.add(k)
     flat = _empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     flat.copy_(staging, non_blocking=staging.is_pinned())
-    _synchronize(g.device)
+    synchronize(g.device)
     return flat
 
 
@@ -590,11 +591,6 @@ def _copy_in_chunks(flat: torch.Tensor, offset: int, src: torch.Tensor, chunk_nu
     for start in range(0, src.numel(), chunk_numel):
         n = min(chunk_numel, src.numel() - start)
         flat.narrow(0, offset + start, n).copy_(src.narrow(0, start, n), non_blocking=pinned)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------

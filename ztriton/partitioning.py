@@ -18,7 +18,6 @@ Values are rank 0's, as with ``zero.Init``. How they travel:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,6 +26,8 @@ import torch.distributed as dist
 
 from ztriton import deepspeed as ds_adapter
 from ztriton import policy
+from ztriton.buffers import alias
+from ztriton.buffers import kernels_run_on as _kernels_run_on  # a module name: tests replace it
 from ztriton.kernels import Piece, copy_chunk, pack_slices
 from ztriton.kernels.pack import uncovered
 from ztriton.layout import Zero3Slice, zero3_slice
@@ -113,14 +114,7 @@ def partition_params(context, named: list[tuple[str, torch.nn.Parameter]], group
     path = "scatter" if world > 1 and dist.get_backend(group) != "fake" else "local"
 
     by_dtype = _entries_by_dtype(named, world)
-    headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
-    if chunk_bytes is None:
-        memory = policy.probe_memory(local)
-        chunk = policy.choose_chunk_bytes(memory.device_free, headroom, None, buffers=world + 1)
-        figures = f"free {memory.device_free / policy.GiB:.2f} GiB on {memory.device} via {memory.source}"
-    else:
-        chunk = policy.choose_chunk_bytes(0, headroom, chunk_bytes)
-        figures = "chunk size given by the caller"
+    chunk, figures = staging_chunk_bytes(local, world, headroom_bytes, chunk_bytes)
     result = Partitioned({}, [n for n, _ in named], world, rank, path, chunk)
     logger.log(log_level, "ztriton partition: %d params in %d dtype(s) over %d ranks (rank %d), partitions on %s, "
                "path=%s (%s), staging chunk %.1f MiB [%s]", len(named), len(by_dtype), world, rank, home, path,
@@ -147,11 +141,20 @@ def partition_params(context, named: list[tuple[str, torch.nn.Parameter]], group
 
 
 def _alias(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
-    """``buffer[offset:offset + numel]`` as a tensor of its own over the same storage, not an autograd
-    view: DeepSpeed later re-points partitions (``ds_tensor.data = ...``, e.g. into the optimizer's flat
-    buffer), and a view would keep ``buffer`` alive through its ``_base`` after every partition moved."""
-    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
-        buffer.untyped_storage(), buffer.storage_offset() + offset, (numel,))
+    """``buffer[offset:offset + numel]`` as a tensor of its own (see :func:`ztriton.buffers.alias`)."""
+    return alias(buffer.untyped_storage(), buffer.storage_offset() + offset, numel, buffer.dtype, buffer.device)
+
+
+def staging_chunk_bytes(device: torch.device, world: int, headroom_bytes: int | None = None,
+                        requested: int | None = None) -> tuple[int, str]:
+    """The staging chunk size (the policy's pick from ``device``'s free memory, with W + 1 chunks in
+    flight, unless ``requested``) and the figures it came from, for the log."""
+    headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
+    if requested is not None:
+        return policy.choose_chunk_bytes(0, headroom, requested), "chunk size given by the caller"
+    memory = policy.probe_memory(device)
+    chunk = policy.choose_chunk_bytes(memory.device_free, headroom, None, buffers=world + 1)
+    return chunk, f"free {memory.device_free / policy.GiB:.2f} GiB on {memory.device} via {memory.source}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,11 +210,6 @@ def _windows(total: int, chunk_elems: int) -> Iterator[tuple[int, int]]:
 
 # --------------------------------------------------------------------------------------------
 # Moving the data.
-
-
-def _kernels_run_on(device: torch.device) -> bool:
-    """The Triton kernels run on CUDA tensors, and on CPU tensors only under the interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _fill(dst: torch.Tensor, pieces: list[Piece], chunk_elems: int) -> None:
