@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from ztriton import policy
-from ztriton.buffers import alias, kernels_run_on, synchronize
+from ztriton.memory import alias, kernels_run_on, synchronize
 from ztriton.policy import Tier
 
 logger = logging.getLogger("ztriton")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ztriton import policy
-from ztriton.buffers import synchronize
+from ztriton.memory import synchronize
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
 from ztriton.policy import FlattenDecision, Tier
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from ztriton import deepspeed as ds_adapter
 from ztriton import policy
-from ztriton.buffers import alias
-from ztriton.buffers import kernels_run_on as _kernels_run_on  # a module name: tests replace it
+from ztriton.memory import alias
+from ztriton.memory import kernels_run_on as _kernels_run_on  # a module name: tests replace it
 from ztriton.kernels import Piece, copy_chunk, pack_slices
 from ztriton.kernels.pack import uncovered
 from ztriton.layout import Zero3Slice, zero3_slice

@@ -1,4 +1,4 @@
-"""Small tensor-memory helpers shared by the orchestration modules (partitioning, flatten, defragment)."""
+"""Tensor-memory helpers shared by the entry points (partitioning, flatten, defragment, loading, sharded init)."""
 from __future__ import annotations
 
 import os
