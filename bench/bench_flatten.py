@@ -21,7 +21,7 @@ Time is wall clock around the call (synchronised); peak is ``torch.cuda.max_memo
 ``reset_peak_memory_stats``, above what was allocated before the call (the params). Every result is
 checked bit for bit first: each param's bytes at its offset, zeros in every pad (the distributed tier:
 this rank's window, from the window pack). DeepSpeed's flatten is its own ``align_dense_tensors``
-with pad tensors, through ``ztriton.demo.deepspeed_flatten``.
+with pad tensors, through ``ztriton.testing.deepspeed_flatten``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import ztriton  # noqa: E402
 from bench.bench_kernels import WORLD, deepspeed_flatten, llm_mix  # noqa: E402
 from bench.harness import (RESULTS, free_device_memory as free_memory, gbps, measure_peak, plot_ratios,  # noqa: E402
                            time_ms, torch_copy_gbps, write_result)
-from ztriton import policy  # noqa: E402
+from ztriton import memory  # noqa: E402
 from ztriton.kernels import pack_plan  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
 
@@ -110,7 +110,7 @@ def check(buf: torch.Tensor, layout, shapes, seed: int = 0, window: tuple[int, i
 
 def budget_headroom(budget: int) -> int:
     """The headroom_bytes that leaves ``budget`` bytes of the probe's free memory to the policy."""
-    return max(0, policy.probe_memory(DEVICE).device_free - budget)
+    return max(0, memory.probe_memory(DEVICE).device_free - budget)
 
 
 # --------------------------------------------------------------------------------------- the methods
@@ -221,7 +221,7 @@ def device_breakdown(shapes, layout, entry) -> None:
     plan.launch()
     check(flat, layout, shapes)
     row = entry["ztriton_device"]
-    row["probe_ms"] = host_ms(lambda: policy.probe_memory(DEVICE))
+    row["probe_ms"] = host_ms(lambda: memory.probe_memory(DEVICE))
     row["pack_kernel_ms"] = time_ms(plan.launch)
     row["pack_plan_and_launch_ms"] = time_ms(lambda: pack_plan(flat, ordered, layout.offsets).launch(),
                                              warmup_ms=10, rep_ms=100)

@@ -33,11 +33,8 @@ run that is cut short keeps what it finished) and a plot of the ratios; ``--smok
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import gc
 import logging
-import math
 import os
 import sys
 import time
@@ -58,10 +55,11 @@ import ztriton  # noqa: E402,F401  (hooks DeepSpeed as soon as it is imported)
 import deepspeed  # noqa: E402
 from deepspeed.runtime.zero import stage3, stage_1_and_2  # noqa: E402
 
-from bench.bench_kernels import llm_mix  # noqa: E402
-from bench.harness import RESULTS, free_device_memory, measure_peak, plot_ratios, write_result  # noqa: E402
-from ztriton import deepspeed as integration  # noqa: E402
+from bench.harness import (RESULTS, allocated, measure_peak, measure_with_probe, plot_ratios, ratio, release,  # noqa: E402
+                           sync, write_result, ztriton_log)
+from bench.models import Experts, LLMMix, expert_shape, llm_mix, matches_pattern, pattern  # noqa: E402
 from ztriton.layout import zero3_slice  # noqa: E402
+from ztriton.testing import bits, simulated_world  # noqa: E402
 
 GiB = 1 << 30
 DEVICE = "cuda" if CUDA else "cpu"
@@ -77,205 +75,6 @@ SMOKE_A_HOST, SMOKE_C_HOST = 1024, 10000
 
 def log(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
-
-
-# --------------------------------------------------------------------------------------------- plumbing
-
-
-def release() -> None:
-    """Free what the last case left: Python garbage, the device cache, torch's pinned host cache."""
-    gc.collect()
-    free_device_memory()
-
-
-def allocated() -> int:
-    return torch.cuda.memory_allocated() if CUDA else 0
-
-
-def sync() -> None:
-    if CUDA:
-        torch.cuda.synchronize()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
-
-
-def ratio(on: float | None, off: float | None) -> float | None:
-    return on / off if on is not None and off else None
-
-
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(f"{record.levelname}: {record.getMessage()}")
-
-
-@contextlib.contextmanager
-def ztriton_log():
-    """The ztriton logger's lines during the block (which tier ran, what went to the host)."""
-    logger, handler = logging.getLogger("ztriton"), _Lines()
-    level = logger.level
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def probe(owner: Any, name: str, calls: list[dict]):
-    """Wrap ``owner.name`` (whatever is installed there now, ztriton's hook included) for the block:
-    each call's seconds (synchronised) and peak device bytes above what was allocated at its start.
-
-    The peak counter is reset for the call; the peak before it is kept in ``peak_before_abs``, so the
-    caller can still report the peak of the whole enclosing call."""
-    own = name in vars(owner)
-    current = getattr(owner, name)
-
-    @functools.wraps(current)
-    def wrapped(*args, **kwargs):
-        sync()
-        entry = {"peak_before_abs": torch.cuda.max_memory_allocated() if CUDA else 0}
-        base = allocated()
-        if CUDA:
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        out = current(*args, **kwargs)
-        sync()
-        entry["seconds"] = time.perf_counter() - start
-        entry["peak_bytes"] = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
-        calls.append(entry)
-        return out
-
-    setattr(owner, name, wrapped)
-    try:
-        yield calls
-    finally:
-        if own:
-            setattr(owner, name, current)
-        else:
-            delattr(owner, name)
-
-
-def measure_with_probe(fn: Callable[[], Any], owner: Any, name: str) -> tuple[Any, float, int, list[dict]]:
-    """``measure_peak(fn)`` with ``owner.name`` probed; the peak is the whole call's despite the probe's reset."""
-    sync()
-    base = allocated()
-    calls: list[dict] = []
-    with probe(owner, name, calls):
-        out, secs, peak = measure_peak(fn)
-    if CUDA and calls:
-        peak = max(peak, max(c["peak_before_abs"] for c in calls) - base)
-    for c in calls:
-        c.pop("peak_before_abs")
-    return out, secs, peak, calls
-
-
-# ------------------------------------------------------------------------------------ parameter values
-
-PERIOD = 1_000_003  # a prime: a slice placed wrongly shows unless it is off by a multiple of this
-_PATTERNS: dict[str, torch.Tensor] = {}
-
-
-def pattern(device) -> torch.Tensor:
-    """One period of bf16 bit patterns (int16), the same on every device: finite values (the exponent's
-    top bit cleared), both signs."""
-    key = str(torch.device(device))
-    if key not in _PATTERNS:
-        raw = torch.randint(-32768, 32768, (PERIOD,), dtype=torch.int32, generator=torch.Generator().manual_seed(1234))
-        _PATTERNS[key] = (raw & -16385).to(torch.int16).to(device)
-    return _PATTERNS[key]
-
-
-@torch.no_grad()
-def fill_pattern(param: torch.Tensor, salt: int) -> None:
-    """Element j of ``param`` (row-major) gets ``pattern[(j + salt) % PERIOD]``: one period copied in,
-    then doubled in place, so a 1 GiB parameter costs a few large copies on whichever device it is on."""
-    assert param.element_size() == 2 and param.is_contiguous(), (param.dtype, param.shape)
-    flat = param.detach().view(-1).view(torch.int16)
-    pat, n, s = pattern(param.device), flat.numel(), salt % PERIOD
-    first = min(n, PERIOD)
-    head = min(first, PERIOD - s)
-    flat[:head].copy_(pat[s:s + head])
-    if first > head:
-        flat[head:first].copy_(pat[:first - head])
-    done = PERIOD
-    while done < n:
-        step = min(done, n - done)
-        flat[done:done + step].copy_(flat[:step])
-        done += step
-
-
-def matches_pattern(values: torch.Tensor, start: int, salt: int) -> bool:
-    """``values`` (int16, 1-D) are elements ``[start, start + len)`` of a parameter filled with ``salt``."""
-    pat, step = pattern(values.device), 1 << 26
-    for a in range(0, values.numel(), step):
-        b = min(values.numel(), a + step)
-        index = torch.arange(start + a, start + b, dtype=torch.int64, device=values.device).add_(salt).remainder_(PERIOD)
-        if not torch.equal(values[a:b], pat[index]):
-            return False
-    return True
-
-
-# ------------------------------------------------------------------------------------------- the models
-
-
-class Experts(torch.nn.Module):
-    """Two small layers, then one fused expert tensor created as a model's ``__init__`` would: the
-    default dtype (zero.Init converts it), ``nn.init.normal_``. ``construct_done`` is the time its
-    ``__init__`` ended (device synchronised), i.e. before zero.Init partitions the experts."""
-
-    def __init__(self, shape: list[int], hidden: int):
-        super().__init__()
-        self.router = torch.nn.Linear(hidden, shape[0], bias=False)
-        self.proj = torch.nn.Linear(hidden, hidden)
-        self.experts = torch.nn.Parameter(torch.empty(*shape))
-        torch.nn.init.normal_(self.experts, std=0.02)
-        sync()
-        self.construct_done = time.perf_counter()
-
-
-def expert_shape(gib: float) -> tuple[list[int], int]:
-    """[128, 8192, 512 * gib] bf16 (4 GiB: [128, 8192, 2048]); 0: the smoke size. Also the small layers' width."""
-    return ([128, 8192, int(512 * gib)], 2048) if gib else ([4, 8, 16], 16)
-
-
-def _param(shape: list[int], salt: int, factory: dict) -> torch.nn.Parameter:
-    param = torch.nn.Parameter(torch.empty(*shape, **factory))
-    fill_pattern(param, salt)
-    param.pattern_salt = salt
-    return param
-
-
-class Block(torch.nn.Module):
-    def __init__(self, items: list[tuple[int, list[int]]], factory: dict):
-        super().__init__()
-        for index, shape in items:
-            self.register_parameter(f"p{index}", _param(shape, index * 7919, factory))
-
-
-class LLMMix(torch.nn.Module):
-    """The LLM mix as a model holds it: its two largest tensors (embedding, output head) on the top
-    module, the others spread round robin over ``layers`` blocks (the 8.6 GiB mix: 4 x [4096, 4096] and
-    8 x [4096] each). Each module's params are created and filled in its own ``__init__``, so under
-    zero.Init each module is partitioned on its own (key on: one per-rank buffer per module)."""
-
-    def __init__(self, shapes: list[list[int]], layers: int, **factory):
-        super().__init__()
-        by_size = sorted(range(len(shapes)), key=lambda i: math.prod(shapes[i]))
-        top = sorted(by_size[-2:])
-        rest = [i for i in range(len(shapes)) if i not in top]
-        self.blocks = torch.nn.ModuleList(Block([(i, shapes[i]) for i in rest[k::layers]], factory)
-                                          for k in range(layers))
-        for i in top:
-            self.register_parameter(f"p{i}", _param(shapes[i], i * 7919, factory))
 
 
 def ds_config(backend: str, stage: int, offload: bool = False, host_init_bytes: int | None = None) -> dict:
@@ -353,7 +152,7 @@ def case_zero_init(gib: float, world: int, rank: int, offload: bool, host_init_b
     out: dict[str, Any] = {"part": "a", "what": "zero.Init", "gib": gib, "shape": shape, "world_size": world,
                            "rank": rank, "offload_param": "cpu" if offload else None}
     compared = {}
-    with integration.simulated_world(world, rank):
+    with simulated_world(world, rank):
         for backend in ("torch", "triton"):
             log(f"(a) zero.Init {label}, key {'on' if backend == 'triton' else 'off'} ...")
             out[backend], compared[backend] = zero_init_once(shape, hidden, world, rank, backend, offload,
@@ -411,7 +210,7 @@ def case_zero2(shapes, layers, world: int, rank: int, name: str) -> dict:
     out: dict[str, Any] = {"part": "b", "what": "ZeRO-2 deepspeed.initialize", "mix": name, "params": len(shapes),
                            "world_size": world, "rank": rank}
     reference = None
-    with integration.simulated_world(world, rank):
+    with simulated_world(world, rank):
         for backend in ("torch", "triton"):
             log(f"(b) ZeRO-2 initialize, {name}, W={world} rank {rank}, key {'on' if backend == 'triton' else 'off'} ...")
             entry, keep, flat = zero2_once(shapes, layers, backend)
@@ -494,7 +293,7 @@ def zero3_once(shapes, layers, world, rank, backend, host_init_bytes) -> dict:
 def case_zero3(shapes, layers, world: int, rank: int, name: str, host_init_bytes: int | None) -> dict:
     out: dict[str, Any] = {"part": "c", "what": "ZeRO-3 zero.Init + deepspeed.initialize", "mix": name,
                            "params": len(shapes), "world_size": world, "rank": rank}
-    with integration.simulated_world(world, rank):
+    with simulated_world(world, rank):
         for backend in ("torch", "triton"):
             log(f"(c) ZeRO-3 zero.Init + initialize, {name}, W={world} rank {rank}, "
                 f"key {'on' if backend == 'triton' else 'off'} ...")

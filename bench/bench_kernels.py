@@ -1,6 +1,6 @@
 """Kernel bandwidth against torch, on one GPU: ``python bench/bench_kernels.py [--out DIR]``.
 
-Cases (DESIGN.md / the kernels issue): a >= 1 GiB contiguous copy; packs with 16-byte param pads and
+Cases (the kernels issue): a >= 1 GiB contiguous copy; packs with 16-byte param pads and
 tail alignment of (a) 200 x 32 MiB, (b) 2,000 log-uniform 4 KiB..64 MiB and (c) the 8.6 GiB LLM mix,
 each against torch copy bandwidth and, for (c), DeepSpeed's on-device flatten; one rank's 1/8 window
 of (b); a transposed 32768 x 32768 bf16 source. Bytes counted are read plus written. Every result is
@@ -9,7 +9,6 @@ checked bit for bit before it is timed.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -18,22 +17,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
 from ztriton.kernels import Piece, Tuning, copy_chunk, make_plan, pack_plan  # noqa: E402
-from ztriton.demo import deepspeed_flatten as demo_deepspeed_flatten  # noqa: E402
+from bench.models import llm_mix, log_uniform_mix  # noqa: E402,F401  (bench_flatten imports llm_mix from here)
+from ztriton.testing import bits  # noqa: E402
+from ztriton.testing import deepspeed_flatten as ds_flatten  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
 
 DTYPE = torch.bfloat16
 WORLD = 8
-
-
-def llm_mix() -> list[list[int]]:
-    return [[4096, 4096]] * 200 + [[4096]] * 400 + [[151936, 4096]] * 2
-
-
-def log_uniform_mix(count=2000, lo=4 << 10, hi=64 << 20, seed=0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    u = torch.rand(count, generator=gen, dtype=torch.float64)
-    nbytes = torch.exp(math.log(lo) + u * (math.log(hi) - math.log(lo)))
-    return [[max(1, int(b) // 2)] for b in nbytes.tolist()]
 
 
 def make_params(shapes) -> list[torch.Tensor]:
@@ -46,13 +36,13 @@ def group_layout(params):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+    return torch.equal(bits(a), bits(b))
 
 
 def deepspeed_flatten(params, layout):
-    """DeepSpeed 0.19.8's on-device flatten of ``params`` in ``layout``'s order (ztriton.demo's copy of
+    """DeepSpeed 0.19.8's on-device flatten of ``params`` in ``layout``'s order (``ztriton.testing``'s
     ``flatten_dense_tensors_aligned``: pad tensors, ``align_dense_tensors``, ``torch.cat``)."""
-    return demo_deepspeed_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
+    return ds_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
 
 
 WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)

@@ -57,7 +57,7 @@ def run_case(gib: int, world: int, figures: dict, h2d_gbps: float, copy_gbps: fl
     import deepspeed
 
     import ztriton
-    from ztriton.deepspeed import simulated_world
+    from ztriton.testing import simulated_world
 
     shape = shape_for(gib)
     numel = shape[0] * shape[1] * shape[2]

@@ -5,15 +5,23 @@ results from different machines and days compare by their ratios, not their abso
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
+import gc
 import json
+import logging
 import platform
+import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from ztriton.memory import measure_peak  # noqa: F401  (re-exported: every bench script times with it)
+
 RESULTS = Path(__file__).resolve().parent / "results"
+CUDA = torch.cuda.is_available()
 
 
 def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 300) -> float:
@@ -22,8 +30,6 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 300
         from triton.testing import do_bench
 
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    import time
-
     fn()
     samples = []
     for _ in range(5):
@@ -31,24 +37,6 @@ def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 300
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return sorted(samples)[len(samples) // 2]
-
-
-def measure_peak(fn: Callable[[], object]) -> tuple[object, float, int]:
-    """Run ``fn`` once: its result, wall seconds (device synchronised), and the peak device bytes
-    allocated above what was allocated before the call (0 without CUDA)."""
-    import time
-
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start, 0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -131,3 +119,97 @@ def free_device_memory() -> None:
         getattr(torch._C, "_host_emptyCache", None)
     if empty_host is not None:
         empty_host()
+
+
+# --------------------------------------------------------------------------------------------- probes
+
+
+def release() -> None:
+    """Free what the last case left: Python garbage, the device cache, torch's pinned host cache."""
+    gc.collect()
+    free_device_memory()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if CUDA else 0
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def ratio(on: float | None, off: float | None) -> float | None:
+    return on / off if on is not None and off else None
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def ztriton_log():
+    """The ztriton logger's lines during the block (which tier ran, what went to the host)."""
+    logger, handler = logging.getLogger("ztriton"), _Lines()
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def probe(owner: Any, name: str, calls: list[dict]):
+    """Wrap ``owner.name`` (whatever is installed there now, ztriton's hook included) for the block:
+    each call's seconds (synchronised) and peak device bytes above what was allocated at its start.
+
+    The peak counter is reset for the call; the peak before it is kept in ``peak_before_abs``, so the
+    caller can still report the peak of the whole enclosing call."""
+    own = name in vars(owner)
+    current = getattr(owner, name)
+
+    @functools.wraps(current)
+    def wrapped(*args, **kwargs):
+        sync()
+        entry = {"peak_before_abs": torch.cuda.max_memory_allocated() if CUDA else 0}
+        base = allocated()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = current(*args, **kwargs)
+        sync()
+        entry["seconds"] = time.perf_counter() - start
+        entry["peak_bytes"] = (torch.cuda.max_memory_allocated() - base) if CUDA else 0
+        calls.append(entry)
+        return out
+
+    setattr(owner, name, wrapped)
+    try:
+        yield calls
+    finally:
+        if own:
+            setattr(owner, name, current)
+        else:
+            delattr(owner, name)
+
+
+def measure_with_probe(fn: Callable[[], Any], owner: Any, name: str) -> tuple[Any, float, int, list[dict]]:
+    """``measure_peak(fn)`` with ``owner.name`` probed; the peak is the whole call's despite the probe's reset."""
+    sync()
+    base = allocated()
+    calls: list[dict] = []
+    with probe(owner, name, calls):
+        out, secs, peak = measure_peak(fn)
+    if CUDA and calls:
+        peak = max(peak, max(c["peak_before_abs"] for c in calls) - base)
+    for c in calls:
+        c.pop("peak_before_abs")
+    return out, secs, peak, calls

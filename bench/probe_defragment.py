@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.bench_kernels import llm_mix  # noqa: E402
-from ztriton import defragment as D  # noqa: E402
-from ztriton import policy  # noqa: E402
+from bench.models import llm_mix  # noqa: E402
+from ztriton import defragmenting as D  # noqa: E402
+from ztriton import memory  # noqa: E402
 
 
 def timed(fn):
@@ -36,7 +36,7 @@ for world in (8, 1):
                 at += n
             del buf
         total = sum(numels)
-        _, probe_ms = timed(lambda: policy.probe_memory(torch.device("cuda")))
+        _, probe_ms = timed(lambda: memory.probe_memory(torch.device("cuda")))
         flat, alloc_ms = timed(lambda: torch.empty(total, dtype=torch.bfloat16, device="cuda"))
         _, pack_ms = timed(lambda: D._copy_into(flat, tensors))
         _, repoint_ms = timed(lambda: D._repoint(flat, tensors))

@@ -1,6 +1,6 @@
 """Triton kernels that move bytes: word copies of contiguous parts and tile gathers of strided ones.
 
-Both kernels read a small table built by the launchers in ``kernels/pack.py``: one row per part
+Both kernels read a small table built in ``kernels/plan.py``: one row per part
 (a contiguous byte range, or a strided source) plus a prefix sum of the programs each part needs.
 Each program finds its part by binary search in that prefix sum, so the host never writes one row
 per chunk or per tile, and one launch serves any number of tensors. Sources are named by raw device
@@ -10,8 +10,6 @@ integers, so every dtype (fp8, bool, bf16 under the interpreter) moves alike.
 import triton
 import triton.language as tl
 
-# Columns of a word-copy part: src_addr (0: write zeros), dst word offset, word count.
-WORD_ROW = 3
 # A strided source is described by MAX_DIMS sizes, strides and flat weights, leading dims padded.
 MAX_DIMS = 8
 # Columns of a strided part (see _gather_tile_kernel): src_addr, dst element offset of flat index 0,
@@ -46,7 +44,7 @@ def _copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexp
     """
     pid = tl.program_id(0).to(tl.int64)
     part = _find_part(first_ptr, n_parts, pid)
-    row = parts_ptr + part * 3
+    row = parts_ptr + part * 3  # src_addr (0: write zeros), dst word offset, word count
     src_addr = tl.load(row)
     n = tl.load(row + 2)
     start = (pid - tl.load(first_ptr + part)) * CHUNK

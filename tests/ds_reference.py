@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from worlds import fake_world
+from ztriton.testing import bits, fake_world
 
 __all__ = [
     "bits",
@@ -35,14 +35,7 @@ __all__ = [
     "dtype_config",
 ]
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SALT_PER_RANK = 7919
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements, flattened, as same-width integers: compare these, never the floats."""
-    flat = tensor.detach().contiguous().view(-1)
-    return flat.view(_INT_OF_WIDTH[flat.element_size()])
 
 
 def bits_tensor(shape: Sequence[int], dtype: torch.dtype, seed: int, index: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ZeRO-3 optimizer's flat partition buffer (ztriton/defragment.py and its DeepSpeed hook).
+"""The ZeRO-3 optimizer's flat partition buffer (ztriton/defragmenting.py and its DeepSpeed hook).
 
 ``defragment`` must return what DeepSpeed's ``deepspeed.runtime.zero.utils.defragment`` returns, bit
 for bit, leave every tensor a view of it, move nothing when the tensors already fill one buffer in
@@ -14,7 +14,7 @@ import torch
 
 import deepspeed
 from ds_reference import BitsModule, bits, bits_tensor, dtype_config
-from ztriton.defragment import defragment, is_packed
+from ztriton.defragmenting import defragment, is_packed
 from ztriton.policy import Tier
 from ztriton.layout import zero3_slice
 
@@ -66,36 +66,36 @@ def test_forced_evict_tier_gives_the_same_bytes():
 
 def test_evicted_storages_are_freed_before_the_flat_buffer_is_allocated(monkeypatch):
     """The evict tier exists to make room: the old storages must be gone when the new buffer is asked for."""
-    import ztriton.defragment as D
+    import ztriton.defragmenting as D
 
     tensors = scattered_tensors()
     storages = [weakref.ref(t.untyped_storage()) for t in tensors]
     alive_at_allocation = []
-    real_try_empty = D._try_empty
+    real_try_empty = D.try_empty
 
-    def spy(numel, dtype, device):
+    def spy(numel, dtype, device, what):
         gc.collect()
         alive_at_allocation.append(sum(ref() is not None for ref in storages))
-        return real_try_empty(numel, dtype, device)
+        return real_try_empty(numel, dtype, device, what)
 
-    monkeypatch.setattr(D, "_try_empty", spy)
+    monkeypatch.setattr(D, "try_empty", spy)
     defragment(tensors, tier="evict")
     assert alive_at_allocation == [0]
 
 
 def test_evict_tier_moves_the_rest_when_the_buffer_still_does_not_fit(monkeypatch):
-    import ztriton.defragment as D
+    import ztriton.defragmenting as D
 
     reference = defragment(scattered_tensors())
     tensors = scattered_tensors()
     attempts = []
-    real_try_empty = D._try_empty
+    real_try_empty = D.try_empty
 
-    def first_fails(numel, dtype, device):
+    def first_fails(numel, dtype, device, what):
         attempts.append(numel)
-        return None if len(attempts) == 1 else real_try_empty(numel, dtype, device)
+        return None if len(attempts) == 1 else real_try_empty(numel, dtype, device, what)
 
-    monkeypatch.setattr(D, "_try_empty", first_fails)
+    monkeypatch.setattr(D, "try_empty", first_fails)
     # a policy that evicts only the first storage, as if the rest would have fitted beside the buffer
     monkeypatch.setattr(D.policy, "choose_defragment", lambda sizes, nbytes, free, headroom: D.policy.DefragmentDecision(
         Tier.EVICT, "test", nbytes, free, headroom, (0,)))

@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 import ztriton
 from ds_reference import BitsModule, bits, bits_tensor, zero12_reference, groups_of
 from worlds import fake_world
-from ztriton import flatten as F
-from ztriton import policy
+from ztriton import memory, policy
+from ztriton.flatten import tiers as F
 from ztriton.layout import zero12_group_layout
-from ztriton.policy import MemoryInfo, Tier
+from ztriton.memory import MemoryInfo, OutOfMemory
+from ztriton.policy import Tier
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TIERS = [Tier.DEVICE, Tier.DISTRIBUTED, Tier.EVICT, Tier.HOST]
@@ -44,7 +45,7 @@ def _memory(free_bytes: int | None, host_bytes: int = 1 << 40):
         yield
         return
     fake = lambda device: MemoryInfo(str(device), free_bytes, free_bytes, host_bytes, "test")  # noqa: E731
-    with mock.patch.object(policy, "probe_memory", fake):
+    with mock.patch.object(memory, "probe_memory", fake):
         yield
 
 
@@ -66,7 +67,7 @@ def _own_slot_gather(out, part, world):
 def _world(world_size: int, rank: int, use_world: bool = True):
     """A fake world, or none at all for a world of one (flatten_groups then runs without torch.distributed)."""
     if use_world:
-        with fake_world(world_size, rank), mock.patch.object(F, "_all_gather", _own_slot_gather):
+        with fake_world(world_size, rank), mock.patch.object(F, "all_gather_bytes", _own_slot_gather):
             yield
     else:
         assert world_size == 1
@@ -299,7 +300,7 @@ def test_host_tier_chosen_when_host_memory_is_short():
     factory = functools.partial(BitsModule, shapes, 1, torch.float16, ())
     reference = zero12_reference(factory, 1, 0, 1, False, False, torch.float16)
     fake = lambda device: MemoryInfo(str(device), 0, 0, 0, "test")  # noqa: E731
-    with mock.patch.object(policy, "probe_memory", fake):
+    with mock.patch.object(memory, "probe_memory", fake):
         model = factory()
         groups = [list(model.parameters())]
         before = _snapshot([{"params": groups[0]}])
@@ -379,26 +380,10 @@ def test_copy_in_chunks_unit():
     assert flat.tolist() == [-1] * 3 + list(range(10)) + [-1] * 3
 
 
-def test_torch_pack_matches_kernel_pack():
-    """The plain-torch pack is the kernels' pack, with and without a window."""
-    from ztriton.kernels import pack
-
-    sources = [bits_tensor((5, 3), torch.bfloat16, 4, 0).t(), bits_tensor((7,), torch.bfloat16, 4, 1),
-               bits_tensor((0,), torch.bfloat16, 4, 2)]
-    offsets = [1, 20, 27]
-    for window in [None, (0, 32), (3, 17), (16, 32), (25, 30)]:
-        size = 32 if window is None else window[1] - window[0]
-        a = torch.full((size,), 1.0, dtype=torch.bfloat16)
-        b = a.clone()
-        pack(a, sources, offsets, window)
-        F._torch_pack(b, sources, offsets, window)
-        assert torch.equal(bits(a), bits(b)), window
-
-
 def test_torch_path_used_without_interpreter(caplog):
     """CPU tensors without TRITON_INTERPRET=1: the kernels are not called, and the log says so."""
     params = [torch.nn.Parameter(torch.arange(5, dtype=torch.float32))]
-    with _packer(False), mock.patch("ztriton.kernels.pack", side_effect=AssertionError("kernels called")), \
+    with _packer(False), mock.patch.object(F, "pack", side_effect=AssertionError("kernels called")), \
             caplog.at_level("INFO", logger="ztriton"):
         (fg,) = ztriton.flatten_groups([params])
     assert fg.flat[:5].tolist() == [0, 1, 2, 3, 4] and fg.flat[5:].tolist() == [0]
@@ -418,16 +403,17 @@ def test_decision_is_logged(caplog):
 
 @contextlib.contextmanager
 def _failing_allocations(fail):
-    """Make ``flatten._empty`` raise an OOM when ``fail(what, count_of_that_what)`` says so."""
-    real, counts = F._empty, {}
+    """Make ``memory.empty`` (as the tiers call it, directly or through ``try_empty``) raise an OOM when
+    ``fail(what, count_of_that_what)`` says so."""
+    real, counts = memory.empty, {}
 
     def empty(numel, dtype, device, what):
         counts[what] = counts.get(what, 0) + 1
         if fail(what, counts[what]):
-            raise F._FlattenOOM(f"test: no memory for the {what}")
+            raise OutOfMemory(f"test: no memory for the {what}")
         return real(numel, dtype, device, what)
 
-    with mock.patch.object(F, "_empty", empty):
+    with mock.patch.object(F, "empty", empty), mock.patch.object(memory, "empty", empty):
         yield counts
 
 
@@ -481,7 +467,7 @@ def test_distributed_keeps_params_without_host_room():
     """Freeing the params is only safe if host memory could take the recovery copy; otherwise fall through."""
     reference = _fixed_reference(2)
     with _Spy().active() as spy:
-        with _world(2, 0), mock.patch.object(policy, "probe_memory",
+        with _world(2, 0), mock.patch.object(memory, "probe_memory",
                                                  lambda d: MemoryInfo(str(d), 0, 0, 10, "test")):
             model = _fixed_model()()
             groups = groups_of(model, FIXED_SIZES)
@@ -618,7 +604,7 @@ def test_single_tensor_params_entry_is_one_param():
 
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(tier="gpu"), r"tier must be one of \['device', 'distributed', 'evict', 'host'\]"),
-    (dict(tier="distributed"), r"tier='distributed' needs a process group of more than one rank"),
+    (dict(tier="distributed"), r"tier='distributed' needs a world of more than one rank"),
     (dict(headroom_bytes=-1), r"headroom_bytes must be an int >= 0"),
     (dict(chunk_bytes=1000), r"chunk_bytes=1000 is below the minimum"),
     (dict(group=object()), r"group= was given but torch.distributed is not initialised"),
@@ -630,7 +616,7 @@ def test_bad_options_rejected(kwargs, pattern):
 
 def test_distributed_needs_a_world(fake_world):
     with fake_world(1, 0):
-        with pytest.raises(ValueError, match="needs a process group of more than one rank"):
+        with pytest.raises(ValueError, match="needs a world of more than one rank"):
             ztriton.flatten_groups([[_p(3)]], tier=Tier.DISTRIBUTED)
 
 
@@ -710,7 +696,7 @@ def test_tiers_on_gpu(tier):
                                  trainable=[p.requires_grad for p in params], parameter_alignment=True)
     expected = _expected_flat(values, layout, torch.bfloat16)
     pinned = []
-    real_host_empty = F._host_empty
+    real_host_empty = F.host_empty
 
     def host_empty(*args):
         buf = real_host_empty(*args)
@@ -718,7 +704,7 @@ def test_tiers_on_gpu(tier):
         return buf
 
     budget = layout.total_numel  # half the group's bytes
-    with _world(4, 1), _memory(budget), mock.patch.object(F, "_host_empty", host_empty):
+    with _world(4, 1), _memory(budget), mock.patch.object(F, "host_empty", host_empty):
         (fg,) = ztriton.flatten_groups([params], tier=tier, parameter_alignment=True, headroom_bytes=0)
     assert fg.tier is tier and fg.flat.is_cuda
     w0, w1 = layout.rank_window(1) if tier is Tier.DISTRIBUTED else (0, layout.total_numel)

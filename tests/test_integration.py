@@ -17,7 +17,10 @@ import torch
 
 import deepspeed
 from ds_reference import BitsModule, bits, bits_tensor, dtype_config, zero3_reference
-from ztriton import deepspeed as integration
+from ztriton.integrations.deepspeed import config as integration
+from ztriton.integrations.deepspeed import zero_init
+from ztriton.integrations.deepspeed.state import STATE
+from ztriton.policy import Options
 from ztriton.layout import zero3_slice
 
 SHAPES = [(5, 7), (3,), (64, 33), (2, 3, 4), (1,)]
@@ -46,11 +49,12 @@ def test_import_installs_hooks_once_whichever_is_imported_first(tmp_path):
         "first = sys.argv[1]\n"
         "import importlib; importlib.import_module(first)\n"
         "import ztriton, deepspeed\n"
-        "from ztriton import deepspeed as d\n"
+        "from ztriton.integrations.deepspeed import install as d\n"
+        "from ztriton.integrations.deepspeed.state import STATE\n"
         "from deepspeed.runtime.zero import partition_parameters as pp, stage3\n"
-        "n = len(d._ORIGINALS); init = pp.Init.__init__; defrag = stage3.defragment\n"
+        "n = len(STATE.originals); init = pp.Init.__init__; defrag = stage3.defragment\n"
         "d.install(); d.install()\n"
-        "assert d.installed() and len(d._ORIGINALS) == n == 10, n\n"
+        "assert d.installed() and len(STATE.originals) == n == 10, n\n"
         "assert pp.Init.__init__ is init and stage3.defragment is defrag  # not wrapped twice\n"
         "assert stage3.defragment.__wrapped__.__module__ == 'deepspeed.runtime.zero.utils'\n"
         "d.uninstall(); assert stage3.defragment.__module__ == 'deepspeed.runtime.zero.utils'\n"
@@ -73,10 +77,11 @@ def test_settings_from_dict_path_base64_and_deepspeed_config(tmp_path, fake_worl
     encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
     with fake_world(2, 0):
         ds_config = DeepSpeedConfig(cfg)
-    expected = integration.Settings("triton", host_init_bytes=4096, chunk_bytes=1 << 20)
+    expected = integration.Settings("triton", Options.of(host_init_bytes=4096, chunk_bytes=1 << 20))
     for source in (cfg, str(path), path, encoded, ds_config):
         assert integration.settings_from(source) == expected
-    assert ds_config.ztriton == expected  # DeepSpeedConfig reads the key itself
+    with pytest.raises(ValueError, match="'partition_backend' must be one of"):  # DeepSpeedConfig checks the key itself
+        DeepSpeedConfig({**cfg, "partition_backend": "tritonn"})
     assert integration.settings_from(None) == integration.Settings("torch")
     assert integration.settings_from(config(None)).backend == "torch"
 
@@ -87,7 +92,7 @@ def test_settings_from_dict_path_base64_and_deepspeed_config(tmp_path, fake_worl
     ({"partition_backend": "triton", "ztriton": {"host_init": 1}}, r"unknown 'ztriton' option\(s\) \['host_init'\]"),
     ({"partition_backend": "triton", "ztriton": {"chunk_bytes": -1}}, r"ztriton.chunk_bytes must be an int >= 0"),
     ({"partition_backend": "triton", "ztriton": [1]}, "must be a dict"),
-    ({"partition_backend": "triton", "ztriton": {"chunk_bytes": 4096}}, "chunk_bytes must be at least 1 MiB"),
+    ({"partition_backend": "triton", "ztriton": {"chunk_bytes": 4096}}, r"ztriton.chunk_bytes=4096 is below the minimum of 1048576"),
 ])
 def test_bad_config_raises_at_initialize_and_zero_init(fake_world, bad, match):
     cfg = {**config(None, stage=2), **bad}
@@ -146,11 +151,11 @@ def test_large_params_are_created_in_host_memory_with_deepspeeds_values(fake_wor
             assert model.experts.ds_tensor.dtype == torch.bfloat16
             hosted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ztriton: empty of")]
             if backend == "triton":
-                assert getattr(init, "_ztriton_host_created", 0) == 1, "only the experts tensor is that large"
+                assert STATE.init(init).host_created == 1, "only the experts tensor is that large"
                 # counted in the dtype asked for (fp32), the transient DeepSpeed's path would create
                 assert hosted == ["ztriton: empty of 32.0 KiB created in host memory (>= 16.0 KiB)"]
             else:
-                assert not hasattr(init, "_ztriton_host_created") and not hosted
+                assert STATE.init(init).host_created == 0 and not hosted
     for name in results["torch"]:
         assert torch.equal(results["torch"][name], results["triton"][name]), name
 
@@ -321,7 +326,7 @@ def test_key_read_from_json_path_and_deepspeed_config_object(tmp_path, fake_worl
 
 
 def test_long_loads_log_progress(fake_world, caplog, monkeypatch):
-    monkeypatch.setattr(integration, "PROGRESS_EVERY_BYTES", 1000)
+    monkeypatch.setattr(zero_init, "PROGRESS_EVERY_BYTES", 1000)
     with fake_world(2, 0), caplog.at_level(logging.INFO, logger="ztriton"):
         with deepspeed.zero.Init(config_dict_or_path=config("triton")):
             BitsModule([(300,), (400,), (10,)], seed=1)  # one module: 710 bf16 = 1420 bytes, past 1000
@@ -400,7 +405,7 @@ def test_large_buffers_go_where_deepspeed_puts_them(fake_world, monkeypatch):
         init = deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 4096}))
         with init:
             model = WithMask()
-    assert init._ztriton_host_created == 2  # the weight (64 x 64 fp32) and the mask (4 KiB of bool)
+    assert STATE.init(init).host_created == 2  # the weight (64 x 64 fp32) and the mask (4 KiB of bool)
     assert moved == [(64, 64)]  # the mask went back to the local device; the small buffer was never moved
     assert model.mask.device == torch.device(init.local_device) and bool(model.mask.all())
     assert not getattr(model.small, "_ztriton_host_created", False)

@@ -1,4 +1,5 @@
-"""Kernels against plain-torch references, compared on the bytes.
+"""Kernels against the torch reference (``ztriton.kernels.reference``, also the entry points'
+fallback), compared on the bytes; the reference itself against ``torch.cat`` constructions.
 
 Every destination is poisoned first, so a test sees both that each element in range was written and
 that nothing outside it was. On CPU the kernels run under the Triton interpreter: sizes stay small.
@@ -11,20 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ztriton.kernels import copy_chunk, pack, pack_slices
+from ztriton.kernels import bits, copy_chunk, pack, pack_slices, torch_copy_chunk, torch_pack, torch_pack_slices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool, torch.float64]
 # ZT_EXAMPLES raises the example count for a longer local run.
 FAST = settings(max_examples=int(os.environ.get("ZT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, flattened: compare these, never values (NaN-safe, -0.0-safe)."""
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return torch.empty(t.numel(), dtype=t.dtype, device=t.device).copy_(t.reshape(-1)).view(torch.uint8)
 
 
 def random_tensor(shape, dtype, generator=None) -> torch.Tensor:
@@ -73,10 +67,9 @@ def test_copy_chunk_matches_flatten(src, data):
     lead = data.draw(st.integers(0, 9))  # dst is a view at an arbitrary element offset
     buf = poisoned(lead + count + 3, src.dtype)
     copy_chunk(src, buf[lead:lead + count], start, count)
-    expected = bits(buf).clone()
-    itemsize = src.element_size()
-    expected[lead * itemsize:(lead + count) * itemsize] = bits(src.reshape(-1)[start:start + count])
-    assert torch.equal(bits(buf), expected)
+    expected = poisoned(lead + count + 3, src.dtype)
+    torch_copy_chunk(src, expected[lead:lead + count], start, count)
+    assert torch.equal(bits(buf), bits(expected))
 
 
 def layout_of(sizes, gaps):
@@ -90,10 +83,32 @@ def layout_of(sizes, gaps):
 
 
 def reference_layout(sources, offsets, total, dtype) -> torch.Tensor:
-    ref = torch.zeros(total, dtype=dtype, device=DEVICE)
-    for src, offset in zip(sources, offsets):
-        ref[offset:offset + src.numel()] = src.reshape(-1)
-    return ref
+    """The reference's pack into a poisoned buffer (every element written: no poison survives)."""
+    return torch_pack(poisoned(total, dtype), sources, offsets)
+
+
+def cat_layout(sources, offsets, total, dtype) -> torch.Tensor:
+    """A flat layout built independently of the reference, to check the reference itself."""
+    parts, cursor = [], 0
+    for src, offset in sorted(zip(sources, offsets), key=lambda so: so[1]):
+        parts += [torch.zeros(offset - cursor, dtype=dtype, device=DEVICE), src.reshape(-1)]
+        cursor = offset + src.numel()
+    return torch.cat(parts + [torch.zeros(total - cursor, dtype=dtype, device=DEVICE)])
+
+
+@FAST
+@given(data=st.data(), dtype=st.sampled_from(ALL_DTYPES), k=st.integers(0, 8))
+def test_reference_pack_is_the_cat_layout(data, dtype, k):
+    """The oracle: torch_pack lays sources out as torch.cat with zero pads does, windows included."""
+    sources = [data.draw(strided_views(dtypes=st.just(dtype), max_dims=3, max_side=5)) for _ in range(k)]
+    offsets, end = layout_of([s.numel() for s in sources], data.draw(st.lists(st.integers(0, 5), min_size=k, max_size=k)))
+    total = end + data.draw(st.integers(0, 5))
+    whole = cat_layout(sources, offsets, total, dtype)
+    assert torch.equal(bits(reference_layout(sources, offsets, total, dtype)), bits(whole))
+    w0 = data.draw(st.integers(0, total))
+    w1 = data.draw(st.integers(w0, total))
+    out = torch_pack(poisoned(w1 - w0, dtype), sources, offsets, window=(w0, w1))
+    assert torch.equal(bits(out), bits(whole[w0:w1]))
 
 
 @FAST
@@ -115,10 +130,9 @@ def test_pack_and_window(data, dtype, k):
     lead = data.draw(st.integers(0, 5))
     out = poisoned(lead + (w1 - w0) + 2, dtype)
     pack(out[lead:], sources, offsets, window=(w0, w1))
-    expected = bits(poisoned(lead + (w1 - w0) + 2, dtype)).clone()
-    itemsize = out.element_size()
-    expected[lead * itemsize:(lead + w1 - w0) * itemsize] = bits(ref[w0:w1])
-    assert torch.equal(bits(out), expected)
+    expected = poisoned(lead + (w1 - w0) + 2, dtype)
+    torch_pack(expected[lead:], sources, offsets, window=(w0, w1))
+    assert torch.equal(bits(out), bits(expected))
 
 
 def test_pack_hundreds_of_tensors():
@@ -148,7 +162,9 @@ def test_pack_slices_per_rank_buffer(data, world, dtype):
         offset += psize
     buf = poisoned(offset, dtype)
     pack_slices(buf, slices)
-    assert torch.equal(bits(buf), bits(torch.cat(ref_parts)))
+    reference = torch_pack_slices(poisoned(offset, dtype), slices)
+    assert torch.equal(bits(buf), bits(reference))
+    assert torch.equal(bits(reference), bits(torch.cat(ref_parts)))  # the oracle, checked independently
 
 
 @pytest.mark.parametrize("shape,perm", [((3, 4, 5), (2, 0, 1)), ((2, 3, 4, 5), (3, 1, 0, 2)), ((33, 17), (1, 0))])
@@ -192,7 +208,8 @@ def assert_untouched(buf):
     ("window", ValueError, r"window=\(4, 2\)"),
     ("count", ValueError, r"got 2 sources but 1 offsets"),
 ])
-def test_pack_errors(case, error, match):
+@pytest.mark.parametrize("impl", [pack, torch_pack], ids=["kernels", "reference"])
+def test_pack_errors(case, error, match, impl):
     dst = poisoned(10, torch.float32)
     a = torch.ones(3, device=DEVICE)
     b = torch.ones(4, device=DEVICE)
@@ -205,18 +222,20 @@ def test_pack_errors(case, error, match):
         "count": ([a, b], [0], None),
     }[case]
     with pytest.raises(error, match=match):
-        pack(dst, args[0], args[1], window=args[2])
+        impl(dst, args[0], args[1], window=args[2])
     assert_untouched(dst)
 
 
-def test_overlapping_source_and_destination_refused():
+@pytest.mark.parametrize("impl", [pack, torch_pack], ids=["kernels", "reference"])
+def test_overlapping_source_and_destination_refused(impl):
     buf = poisoned(20, torch.float32)
     with pytest.raises(ValueError, match=r"sources\[0\] overlaps dst in memory"):
-        pack(buf[5:], [buf[:8]], [0])
+        impl(buf[5:], [buf[:8]], [0])
     assert_untouched(buf)
 
 
-def test_chunk_out_of_range_refused():
+@pytest.mark.parametrize("copy_chunk", [copy_chunk, torch_copy_chunk], ids=["kernels", "reference"])
+def test_chunk_out_of_range_refused(copy_chunk):
     src = torch.ones(10, device=DEVICE)
     out = poisoned(5, torch.float32)
     with pytest.raises(ValueError, match=r"range \[8, 13\) is outside its 10 elements"):

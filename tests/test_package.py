@@ -14,7 +14,7 @@ def test_kernels_install_as_ztriton_kernels_only(tmp_path):
     """`ztriton.kernels` imports from anywhere; the top-level name `kernels` is not ours (PyPI has one)."""
     done = run_python("import ztriton.kernels as k; print(k.__name__); print(k.copy_chunk.__module__)", tmp_path)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["ztriton.kernels", "ztriton.kernels.pack"]
+    assert done.stdout.split() == ["ztriton.kernels", "ztriton.kernels.ops"]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = run_python("import importlib.util as u, ztriton; s = u.find_spec('kernels'); "
                        "print('none' if s is None else s.origin)", tmp_path)

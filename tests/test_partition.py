@@ -159,11 +159,12 @@ def test_gloo_values_are_rank0s_and_updates_repartition(gloo_world, world_size, 
 
 def _gloo_staging_sizes(rank, world_size):
     """Ranks that picked different chunk sizes (each from its own free memory) must agree on one."""
+    from ztriton.comm import world_of
     from ztriton.partitioning import _staging
 
     buffer = torch.empty(10, dtype=torch.bfloat16)
     chunk_bytes = (2 + rank) << 20  # 2 MiB, 3 MiB, ...
-    elems, rows, recv = _staging(rank, world_size, None, chunk_bytes, buffer, torch.device("cpu"))
+    elems, rows, recv = _staging(world_of(None), chunk_bytes, buffer)
     return elems, None if rows is None else tuple(rows.shape)
 
 
@@ -240,7 +241,7 @@ def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
     the partitions) the copies go through torch, with only the padding zeroed: same bytes."""
     import ztriton.partitioning as partitioning
 
-    monkeypatch.setattr(partitioning, "_kernels_run_on", lambda device: False)
+    monkeypatch.setattr(partitioning, "kernels_run_on", lambda device: False)
     shapes = [[7, 3], [13], [2, 2]]
     reference = zero3_reference(lambda: BitsModule(shapes, 9, torch.bfloat16), 3, 2, torch.bfloat16,
                                 wrap_existing=True)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ztriton import policy
-from ztriton.policy import (DEFAULT_HEADROOM_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, GiB, MemoryInfo, MiB, Tier,
-                            choose_chunk_bytes, choose_evictions, choose_flatten_tier, flatten_fallbacks, log_decision,
-                            probe_memory)
+from ztriton import memory
+from ztriton.memory import GiB, MemoryInfo, MiB, probe_memory
+from ztriton.policy import (DEFAULT_HEADROOM_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Options, Tier, choose_chunk_bytes,
+                            choose_evictions, choose_flatten_tier, flatten_fallbacks, log_decision, parse_tier)
 
 # ------------------------------------------------------------------------------- choose_flatten_tier
 
@@ -218,7 +218,7 @@ def test_probe_memory_on_cpu():
     info = probe_memory("cpu")
     assert info.source == "host" and info.device == "cpu"
     assert info.device_free == info.host_available > 0
-    assert policy.host_available_bytes() > 0
+    assert memory.host_available_bytes() > 0
 
 
 @pytest.mark.gpu
@@ -270,3 +270,31 @@ def test_defragment_decision():
     assert nothing_free.evict == (0, 1)
     with pytest.raises(ValueError, match="sizes must be >= 0"):
         choose_defragment([GiB], -1, 0)
+
+
+# ------------------------------------------------------------------------------------ options
+
+
+def test_options_defaults_resolved_once():
+    assert Options.of() == Options(DEFAULT_HEADROOM_BYTES, None, None)
+    assert Options.of(headroom_bytes=0, chunk_bytes=MIN_CHUNK_BYTES, host_init_bytes=0) == Options(0, MIN_CHUNK_BYTES, 0)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(headroom_bytes=-1), r"^headroom_bytes must be an int >= 0 \(bytes\), got -1"),
+    (dict(headroom_bytes=True), r"^headroom_bytes must be an int >= 0"),
+    (dict(chunk_bytes=1.5 * MiB), r"^chunk_bytes must be an int >= 0"),
+    (dict(chunk_bytes=MIN_CHUNK_BYTES - 1), r"^chunk_bytes=1048575 is below the minimum of 1048576"),
+    (dict(host_init_bytes=-5), r"^host_init_bytes must be an int >= 0"),
+])
+def test_options_refuse_bad_values(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        Options.of(**kwargs)
+
+
+def test_parse_tier():
+    assert parse_tier(None) is None and parse_tier("evict") is Tier.EVICT and parse_tier(Tier.HOST) is Tier.HOST
+    with pytest.raises(ValueError, match=r"tier must be one of \['device', 'evict'\] or None, got 'host'"):
+        parse_tier("host", allowed=(Tier.DEVICE, Tier.EVICT))
+    with pytest.raises(ValueError, match=r"got 'gpu'"):
+        parse_tier("gpu")

@@ -15,14 +15,20 @@ if (_checkout_kernels / "__init__.py").is_file() and not (_Path(__file__).parent
 from ztriton import layout  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "__version__"]
+__all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "defragment", "__version__"]
 
-# Entry points that import triton load on first use: triton decides at import time whether its
-# kernels run under the interpreter (TRITON_INTERPRET=1), so `import ztriton` must not import it.
-# (The ZeRO-3 module is ztriton.partitioning, not ztriton.partition: a submodule named like the
-# function would rebind `ztriton.partition` to the module whenever it is imported directly.)
-_LAZY = {"partition": "ztriton.partitioning", "Partitioned": "ztriton.partitioning",
-         "flatten_groups": "ztriton.flatten", "FlatGroup": "ztriton.flatten"}
+# Every public entry point, loaded on first use: triton decides at import time whether its kernels run
+# under the interpreter (TRITON_INTERPRET=1), so `import ztriton` must not import it. (The ZeRO-3
+# module is ztriton.partitioning, not ztriton.partition: a submodule named like the function would
+# rebind `ztriton.partition` to the module whenever it is imported directly; likewise defragmenting.)
+_LAZY = {
+    "partition": "ztriton.integrations.deepspeed.zero3_param",  # makes DeepSpeed ZeRO-3 params
+    "Partitioned": "ztriton.partitioning",
+    "flatten_groups": "ztriton.flatten",
+    "FlatGroup": "ztriton.flatten",
+    "defragment": "ztriton.defragmenting",
+    # "load_checkpoint": "ztriton.integrations.zero3_loading",  # added when the loader lands (issue 13)
+}
 
 
 def __getattr__(name):
@@ -35,7 +41,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ztriton' has no attribute {name!r}")
 
 
-# The DeepSpeed config key "partition_backend" (ztriton.deepspeed.install): hooked as soon as DeepSpeed
+# The DeepSpeed config key "partition_backend" (ztriton.integrations.deepspeed.install): hooked as soon as DeepSpeed
 # is imported, without importing it here (it is slow to import and picks its accelerator on import).
 class _InstallWhenDeepSpeedLoads(_abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -55,10 +61,10 @@ class _InstallWhenDeepSpeedLoads(_abc.MetaPathFinder):
 
 
 def _install_deepspeed_hooks():
-    from ztriton import deepspeed as _integration
-
     try:
-        _integration.install()
+        from ztriton.integrations.deepspeed.install import install
+
+        install()
     except Exception as exc:  # a DeepSpeed whose internals moved: say so, do not break `import deepspeed`
         _logging.getLogger("ztriton").error(
             "ztriton could not hook DeepSpeed (%s: %s); \"partition_backend\": \"triton\" will have no effect. "

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         # Both are read once per process: before triton / DeepSpeed are first imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from ztriton import demo
+    from ztriton.integrations.deepspeed import demo
 
     return demo.run(device, args.world_size)
 

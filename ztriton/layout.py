@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO layouts as pure arithmetic: which flat elements go where. No tensors are moved here.
 
-Two layouts, both reproduced exactly from DeepSpeed 0.19.8 (``DESIGN.md`` names the code they mirror):
+Two layouts, both reproduced exactly from DeepSpeed 0.19.8 (``docs/architecture.md``; the docstrings name the code they mirror):
 
 * ZeRO-3 (``partition_parameters.Init._partition_param``): a parameter of ``numel`` elements is padded
   to a multiple of the partition world size ``W`` and cut into ``W`` equal slices; rank ``r`` owns

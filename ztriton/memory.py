@@ -1,9 +1,25 @@
-"""Tensor-memory helpers shared by the entry points (partitioning, flatten, defragment, loading, sharded init)."""
+"""Memory: how much is free (the probe), allocations that fail cleanly, aliasing, size formatting.
+
+Shared by the entry points (partitioning, flatten, defragment, loading, sharded init). The probe reads
+numbers; what to do with them is :mod:`ztriton.policy`'s job.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger("ztriton")
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+__all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "empty", "format_bytes", "host_available_bytes",
+           "host_empty", "kernels_run_on", "measure_peak", "probe_memory", "synchronize", "try_empty", "try_host_empty"]
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -11,9 +27,15 @@ def kernels_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (non-blocking copies included); nothing to wait for on the CPU."""
-    if device.type == "cuda":
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait for ``device``'s queued work (non-blocking copies included); nothing to wait for on the CPU.
+
+    ``None``: the current CUDA device, if there is one (where copies between pinned host memory and the
+    device ran, whichever side the caller's buffer is on)."""
+    if device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -25,3 +47,145 @@ def alias(storage: torch.UntypedStorage, offset: int, numel: int, dtype: torch.d
     whole old buffer, alive through ``_base`` after every partition had moved.
     """
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,))
+
+
+def format_bytes(nbytes: int) -> str:
+    """Bytes for a log line or an error: GiB, MiB, KiB or B, whichever reads best."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes} B"
+
+
+# --------------------------------------------------------------------------------------------
+# The probe.
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Free bytes on one device and on the host, and where the device figure came from."""
+
+    device: str
+    device_free: int
+    device_total: int
+    host_available: int
+    source: str  # "nvml", "torch" or "host" (a CPU device)
+
+
+def host_available_bytes() -> int:
+    """Memory the host can still hand out (``MemAvailable``), without psutil."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _nvml_free(index: int) -> tuple[int, int] | None:
+    """(free, total) of a CUDA device as the driver sees it, other processes included; None if NVML fails
+    (not installed, or a device such as GB10 that refuses ``nvmlDeviceGetMemoryInfo``)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            physical = int(visible.split(",")[index]) if visible else index
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
+            return int(info.free), int(info.total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def probe_memory(device: torch.device | str) -> MemoryInfo:
+    """Free memory on ``device`` and the host.
+
+    On CUDA, NVML's figure (which sees other processes) with ``torch.cuda.mem_get_info`` as the
+    fallback; either way the caching allocator's reserved-but-unused bytes count as free, since this
+    process can reuse them.
+    """
+    device = torch.device(device)
+    host = host_available_bytes()
+    if device.type != "cuda":
+        return MemoryInfo(str(device), host, host, host, "host")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    nvml = _nvml_free(index)
+    if nvml is not None:
+        free, total = nvml
+        source = "nvml"
+    else:
+        free, total = torch.cuda.mem_get_info(index)
+        source = "torch"
+    return MemoryInfo(str(device), free + cached, total, host, source)
+
+
+def measure_peak(fn: Callable[[], Any]) -> tuple[Any, float, int]:
+    """Run ``fn`` once: its result, wall seconds (device synchronised), and the peak device bytes
+    allocated above what was allocated before the call (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start, 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
+
+
+# --------------------------------------------------------------------------------------------
+# Allocations: every failure to allocate is a torch.OutOfMemoryError, on the device and on the host.
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """An allocation that failed. Carries only a message, so that no traceback keeps the caller's
+    buffers alive while it recovers (a flatten tier falls through to the next one)."""
+
+
+def empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor:
+    """``torch.empty``, with the CPU allocator's failure (a plain RuntimeError) raised as an OOM too.
+
+    ``what`` names the buffer in the error (and lets tests fail one kind of allocation).
+    """
+    try:
+        return torch.empty(numel, dtype=dtype, device=device)
+    except RuntimeError as exc:
+        if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
+            raise OutOfMemory(f"could not allocate the {what} ({format_bytes(numel * dtype.itemsize)}) "
+                              f"on {device}") from None
+        raise
+
+
+def try_empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor | None:
+    """:func:`empty`, or None where it runs out of memory."""
+    try:
+        return empty(numel, dtype, device, what)
+    except torch.OutOfMemoryError:
+        return None
+
+
+def host_empty(numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A host buffer: pinned when there is a GPU (fast, asynchronous copies), pageable if pinning fails."""
+    if torch.cuda.is_available():
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as exc:
+            logger.warning("ztriton: could not pin %s of host memory for the %s (%s); using pageable memory",
+                           format_bytes(numel * dtype.itemsize), what, exc)
+    return empty(numel, dtype, "cpu", what)
+
+
+def try_host_empty(numel: int, dtype: torch.dtype, what: str) -> torch.Tensor | None:
+    """:func:`host_empty`, or None where it runs out of memory."""
+    try:
+        return host_empty(numel, dtype, what)
+    except torch.OutOfMemoryError:
+        return None

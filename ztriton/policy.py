@@ -1,102 +1,100 @@
-"""The tiered memory policy: how much memory is free, which path a copy takes, in what chunk sizes.
+"""The tiered memory policy: which path a copy takes, in what chunk sizes, with which options.
 
-Decisions are pure functions of numbers (:func:`choose_flatten_tier`, :func:`choose_chunk_bytes`),
-so they are tested without a GPU; :func:`probe_memory` reads the numbers. Every decision carries the
-figures it was made from and is logged with them, so a user can see which tier ran and why.
+Decisions are pure functions of numbers (:func:`choose_flatten_tier`, :func:`choose_chunk_bytes`, ...),
+so they are tested without a GPU; :func:`ztriton.memory.probe_memory` reads the numbers. Every
+decision carries the figures it was made from and is logged with them, so a user can see which tier
+ran and why. :class:`Options` holds every default and check of the user's options, once.
 """
 from __future__ import annotations
 
 import bisect
 import enum
 import logging
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
-import torch
+from ztriton.memory import GiB, MemoryInfo, MiB, format_bytes
 
 logger = logging.getLogger("ztriton")
 
-MiB = 1 << 20
-GiB = 1 << 30
 # Memory kept free on the device for everything else (the caching allocator's fragmentation,
 # NCCL buffers, kernels' workspaces), unless the caller says otherwise.
 DEFAULT_HEADROOM_BYTES = 1 * GiB
 MIN_CHUNK_BYTES = 1 * MiB
 MAX_CHUNK_BYTES = 256 * MiB
+# A parameter created inside ``zero.Init`` at least this large starts in host memory (under
+# ``"partition_backend": "triton"``): the whole tensor never lands on the device, only its slices.
+MAX_HOST_INIT_BYTES = 1 * GiB
+
+
+def check_bytes(name: str, value: object) -> int:
+    """``value`` if it is an int >= 0 (a size in bytes), else a ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+    return value
+
+
+def check_chunk_bytes(value: object) -> int:
+    """A staging chunk size the caller asked for: an int of at least 1 MiB."""
+    check_bytes("chunk_bytes", value)
+    if value < MIN_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes={value} is below the minimum of {MIN_CHUNK_BYTES} (1 MiB)")
+    return value
 
 
 @dataclass(frozen=True)
-class MemoryInfo:
-    """Free bytes on one device and on the host, and where the device figure came from."""
+class Options:
+    """What the caller may tune, checked when made; ``None`` fields are the policy's to pick.
 
-    device: str
-    device_free: int
-    device_total: int
-    host_available: int
-    source: str  # "nvml", "torch" or "host" (a CPU device)
-
-
-def host_available_bytes() -> int:
-    """Memory the host can still hand out (``MemAvailable``), without psutil."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _nvml_free(index: int) -> tuple[int, int] | None:
-    """(free, total) of a CUDA device as the driver sees it, other processes included; None if NVML fails
-    (not installed, or a device such as GB10 that refuses ``nvmlDeviceGetMemoryInfo``)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            physical = int(visible.split(",")[index]) if visible else index
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
-            return int(info.free), int(info.total)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
-
-
-def probe_memory(device: torch.device | str) -> MemoryInfo:
-    """Free memory on ``device`` and the host.
-
-    On CUDA, NVML's figure (which sees other processes) with ``torch.cuda.mem_get_info`` as the
-    fallback; either way the caching allocator's reserved-but-unused bytes count as free, since this
-    process can reuse them.
+    ``headroom_bytes``: device memory every decision leaves free (default 1 GiB). ``chunk_bytes``:
+    staging chunk size (default: picked from free memory). ``host_init_bytes``: parameters created
+    inside ``zero.Init`` at least this large start in host memory (default: :func:`choose_host_init_bytes`).
+    The same names make the ``"ztriton"`` section of a DeepSpeed config.
     """
-    device = torch.device(device)
-    host = host_available_bytes()
-    if device.type != "cuda":
-        return MemoryInfo(str(device), host, host, host, "host")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-    nvml = _nvml_free(index)
-    if nvml is not None:
-        free, total = nvml
-        source = "nvml"
-    else:
-        free, total = torch.cuda.mem_get_info(index)
-        source = "torch"
-    return MemoryInfo(str(device), free + cached, total, host, source)
+
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES
+    chunk_bytes: int | None = None
+    host_init_bytes: int | None = None
+
+    def __post_init__(self):
+        check_bytes("headroom_bytes", self.headroom_bytes)
+        if self.chunk_bytes is not None:
+            check_chunk_bytes(self.chunk_bytes)
+        if self.host_init_bytes is not None:
+            check_bytes("host_init_bytes", self.host_init_bytes)
+
+    @classmethod
+    def of(cls, *, headroom_bytes: int | None = None, chunk_bytes: int | None = None,
+           host_init_bytes: int | None = None) -> Options:
+        """Options from keyword arguments where ``None`` means the default."""
+        return cls(DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes, chunk_bytes, host_init_bytes)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(Options))
 
 
 class Tier(str, enum.Enum):
-    """How a ZeRO-1/2 group is flattened (DESIGN.md, "The tiered memory policy")."""
+    """How a buffer is built when memory is short (``docs/architecture.md``, "Vocabulary")."""
 
     DEVICE = "device"
     DISTRIBUTED = "distributed"
     EVICT = "evict"
     HOST = "host"
+
+
+def parse_tier(tier: Tier | str | None, allowed: Sequence[Tier] = tuple(Tier)) -> Tier | None:
+    """The tier a caller forces (``None``: the policy picks), one of ``allowed``."""
+    if tier is None:
+        return None
+    if tier not in allowed and tier not in [t.value for t in allowed]:
+        raise ValueError(f"tier must be one of {[t.value for t in allowed]} or None, got {tier!r}")
+    return Tier(tier)
+
+
+def check_tier_fits_world(tier: Tier | None, world_size: int) -> None:
+    if tier is Tier.DISTRIBUTED and world_size == 1:
+        raise ValueError("tier='distributed' needs a world of more than one rank (world_size=1); initialise "
+                         "torch.distributed and pass the data-parallel group=, or use tier='device'")
 
 
 @dataclass(frozen=True)
@@ -132,23 +130,22 @@ def choose_flatten_tier(group_bytes: int, world_size: int, free_bytes: int, host
 
     if forced is not None:
         tier = Tier(forced)
-        if tier is Tier.DISTRIBUTED and world_size == 1:
-            raise ValueError("tier 'distributed' needs a world of more than one rank (world_size=1)")
+        check_tier_fits_world(tier, world_size)
         return FlattenDecision(tier, f"forced by the caller (tier={tier.value!r})", **facts,
                                evict_bytes=evict if tier is Tier.EVICT else 0)
     if budget >= group_bytes:
-        return FlattenDecision(Tier.DEVICE, f"free {_gib(budget)} after headroom holds the flat buffer "
-                               f"({_gib(group_bytes)})", **facts)
+        return FlattenDecision(Tier.DEVICE, f"free {format_bytes(budget)} after headroom holds the flat buffer "
+                               f"({format_bytes(group_bytes)})", **facts)
     if world_size > 1 and budget >= window:
-        return FlattenDecision(Tier.DISTRIBUTED, f"free {_gib(budget)} after headroom is below the flat buffer "
-                               f"({_gib(group_bytes)}) but holds this rank's 1/{world_size} window ({_gib(window)})",
+        return FlattenDecision(Tier.DISTRIBUTED, f"free {format_bytes(budget)} after headroom is below the flat buffer "
+                               f"({format_bytes(group_bytes)}) but holds this rank's 1/{world_size} window ({format_bytes(window)})",
                                **facts)
     if host_bytes >= evict:
-        return FlattenDecision(Tier.EVICT, f"free {_gib(budget)} after headroom: moving {_gib(evict)} of params "
-                               f"to pinned host memory makes room for the flat buffer ({_gib(group_bytes)})",
+        return FlattenDecision(Tier.EVICT, f"free {format_bytes(budget)} after headroom: moving {format_bytes(evict)} of params "
+                               f"to pinned host memory makes room for the flat buffer ({format_bytes(group_bytes)})",
                                **facts, evict_bytes=evict)
-    return FlattenDecision(Tier.HOST, f"neither the device ({_gib(budget)} free after headroom) nor pinned host "
-                           f"memory ({_gib(host_bytes)}) holds what the other tiers need", **facts)
+    return FlattenDecision(Tier.HOST, f"neither the device ({format_bytes(budget)} free after headroom) nor pinned host "
+                           f"memory ({format_bytes(host_bytes)}) holds what the other tiers need", **facts)
 
 
 def choose_chunk_bytes(free_bytes: int, headroom_bytes: int = DEFAULT_HEADROOM_BYTES, requested: int | None = None,
@@ -160,24 +157,18 @@ def choose_chunk_bytes(free_bytes: int, headroom_bytes: int = DEFAULT_HEADROOM_B
     big enough to run at copy bandwidth, small enough to leave the device usable.
     """
     if requested is not None:
-        if requested < MIN_CHUNK_BYTES:
-            raise ValueError(f"chunk_bytes={requested} is below the minimum of {MIN_CHUNK_BYTES} (1 MiB)")
-        return int(requested)
+        return check_chunk_bytes(requested)
     share = max(0, free_bytes - headroom_bytes) // (4 * buffers)
     return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, share // MiB * MiB))
 
 
 def log_decision(what: str, decision, memory: MemoryInfo | None = None) -> None:
     """One INFO line: what was decided, why, and the figures it came from."""
-    figures = f" [free {_gib(memory.device_free)} of {_gib(memory.device_total)} on {memory.device} " \
-              f"({memory.source}), host {_gib(memory.host_available)}]" if memory else ""
+    figures = f" [free {format_bytes(memory.device_free)} of {format_bytes(memory.device_total)} on {memory.device} " \
+              f"({memory.source}), host {format_bytes(memory.host_available)}]" if memory else ""
     tier = getattr(decision, "tier", None)
     label = tier.value if isinstance(tier, Tier) else str(decision)
     logger.info("ztriton %s: %s -- %s%s", what, label, getattr(decision, "reason", ""), figures)
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
 
 
 def flatten_fallbacks(tier: Tier | str) -> tuple[Tier, ...]:
@@ -220,11 +211,6 @@ def choose_evictions(sizes: Sequence[int], evict_bytes: int) -> list[int]:
     return sorted(chosen)
 
 
-# A parameter created inside ``zero.Init`` at least this large starts in host memory (under
-# ``"partition_backend": "triton"``): the whole tensor never lands on the device, only its slices.
-MAX_HOST_INIT_BYTES = 1 * GiB
-
-
 def choose_host_init_bytes(device_free: int, configured: int | None = None) -> int:
     """Size from which a parameter created inside ``zero.Init`` is allocated in host memory.
 
@@ -234,9 +220,7 @@ def choose_host_init_bytes(device_free: int, configured: int | None = None) -> i
     not need, and on a tight device even a few of those fail.
     """
     if configured is not None:
-        if not isinstance(configured, int) or configured < 0:
-            raise ValueError(f"host_init_bytes must be an int >= 0, got {configured!r}")
-        return configured
+        return check_bytes("host_init_bytes", configured)
     if device_free < 0:
         raise ValueError(f"device_free must be >= 0, got {device_free}")
     return max(MIN_CHUNK_BYTES, min(MAX_HOST_INIT_BYTES, device_free // 8))
@@ -268,10 +252,10 @@ def choose_defragment(storage_bytes: Sequence[int], buffer_bytes: int, free_byte
     budget = free_bytes - headroom_bytes
     facts = dict(buffer_bytes=buffer_bytes, free_bytes=free_bytes, headroom_bytes=headroom_bytes)
     if budget >= buffer_bytes:
-        return DefragmentDecision(Tier.DEVICE, f"free {_gib(budget)} after headroom holds the flat buffer "
-                                  f"({_gib(buffer_bytes)}) beside the partitions", **facts)
+        return DefragmentDecision(Tier.DEVICE, f"free {format_bytes(budget)} after headroom holds the flat buffer "
+                                  f"({format_bytes(buffer_bytes)}) beside the partitions", **facts)
     evict = choose_evictions(storage_bytes, buffer_bytes - max(budget, 0))
     moved = sum(storage_bytes[i] for i in evict)
-    return DefragmentDecision(Tier.EVICT, f"free {_gib(budget)} after headroom is below the flat buffer "
-                              f"({_gib(buffer_bytes)}): {len(evict)} partition storage(s), {_gib(moved)}, go through "
+    return DefragmentDecision(Tier.EVICT, f"free {format_bytes(budget)} after headroom is below the flat buffer "
+                              f"({format_bytes(buffer_bytes)}): {len(evict)} partition storage(s), {format_bytes(moved)}, go through "
                               "pinned host memory", **facts, evict=tuple(evict))

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import gc
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ztriton.layout import zero3_slice
+from ztriton.integrations.deepspeed.worlds import simulated_world
+from ztriton.kernels import bits
+from ztriton.memory import measure_peak
 
 DTYPE = torch.bfloat16
 
@@ -100,26 +102,13 @@ def _measure(device: str, step: Callable[[], list[torch.Tensor]]) -> Measured:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    bits = step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
-    return Measured(seconds, peak, [b.to("cpu") for b in bits])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    return flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[flat.element_size()])
+    values, seconds, peak = measure_peak(step)
+    return Measured(seconds, peak / 2**20 if device == "cuda" else None, [b.to("cpu") for b in values])
 
 
 def _valid_partitions(model: torch.nn.Module, world_size: int, rank: int) -> list[torch.Tensor]:
     """Each param's partition up to its valid end (DeepSpeed leaves the padding uninitialised)."""
-    return [_bits(p.ds_tensor)[:zero3_slice(p.ds_numel, world_size).valid_numel(rank)].clone()
+    return [bits(p.ds_tensor)[:zero3_slice(p.ds_numel, world_size).valid_numel(rank)].clone()
             for p in model.parameters()]
 
 
@@ -146,7 +135,7 @@ def zero3_optimizer_step(shape: MoEShape, backend: str, world_size: int, rank: i
                                                      config=cfg)
         flat, at, out = optimizer.lp_param_buffer, 0, []
         for p in (p for group in optimizer.fp16_groups for p in group):
-            out.append(_bits(flat[at:at + zero3_slice(p.ds_numel, world_size).valid_numel(rank)]).clone())
+            out.append(bits(flat[at:at + zero3_slice(p.ds_numel, world_size).valid_numel(rank)]).clone())
             at += p.ds_tensor.numel()
         engine.destroy()
         return out
@@ -162,7 +151,7 @@ def zero2_optimizer_step(shape: MoEShape, backend: str, device: str):
     def step():
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                                      config=config(backend, 2, 0))
-        out = [_bits(flat).clone() for flat in optimizer.bit16_groups_flat]
+        out = [bits(flat).clone() for flat in optimizer.bit16_groups_flat]
         engine.destroy()
         return out
     return step
@@ -175,7 +164,6 @@ STEPS = (("ZeRO-3 zero.Init (model build)", "zero_init"),
 
 def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: int, quiet: bool = False):
     """Every step with the key off, then on, as rank 0 of the simulated world: table rows."""
-    from ztriton.deepspeed import simulated_world
 
     rows = []
     for label, kind in STEPS:
@@ -237,17 +225,3 @@ def _print_table(rows, device: str) -> None:
     if device == "cpu":
         print("\n(CPU: kernels run under the Triton interpreter, so ztriton's times here say nothing about "
               "its speed, and peak device memory is measured on CUDA only.)")
-
-
-def deepspeed_flatten(tensors, paddings, alignment):
-    """DeepSpeed 0.19.8's on-device ZeRO-1/2 flatten: fresh pad tensors, align, ``torch.cat``."""
-    from torch._utils import _flatten_dense_tensors
-
-    from deepspeed.runtime.utils import align_dense_tensors
-
-    padded = []
-    for t, pad in zip(tensors, paddings):
-        padded.append(t)
-        if pad:
-            padded.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
-    return _flatten_dense_tensors(align_dense_tensors(padded, alignment))

@@ -13,7 +13,7 @@ same contract and result, bit for bit, but:
 * otherwise (**evict**) moves just enough whole allocations to pinned host memory to make room, and
   packs the rest device to device: one pinned round trip for only what must move.
 
-Nothing here knows DeepSpeed; ``ztriton.deepspeed`` routes DeepSpeed's call here.
+Nothing here knows DeepSpeed; ``ztriton.integrations.deepspeed.optimizers`` routes DeepSpeed's call here.
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from typing import Sequence
 
 import torch
 
-from ztriton import policy
-from ztriton.memory import alias, kernels_run_on, synchronize
-from ztriton.policy import Tier
+from ztriton import memory, policy
+from ztriton.kernels import Piece, pack_slices, torch_run
+from ztriton.memory import alias, format_bytes, host_empty, kernels_run_on, synchronize, try_empty
+from ztriton.policy import Options, Tier
 
 logger = logging.getLogger("ztriton")
 
@@ -42,50 +43,42 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     """
     tensors = list(tensors)
     _check(tensors)
-    forced = _parse_tier(tier)
+    forced = policy.parse_tier(tier, allowed=(Tier.DEVICE, Tier.EVICT))
+    headroom = Options.of(headroom_bytes=headroom_bytes).headroom_bytes
     if not tensors:
         return torch.empty(0)
     dtype, device = tensors[0].dtype, tensors[0].device
     total = sum(t.numel() for t in tensors)
     if is_packed(tensors):
         logger.info("ztriton defragment: %d partitions (%s) already fill one buffer in order; nothing moves",
-                    len(tensors), _gib(total * tensors[0].element_size()))
+                    len(tensors), format_bytes(total * tensors[0].element_size()))
         return alias(tensors[0].untyped_storage(), 0, total, dtype, device)
 
     itemsize = tensors[0].element_size()
-    headroom = policy.DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes
-    memory = policy.probe_memory(device)
-    fits = memory.device_free - headroom >= total * itemsize and forced is not Tier.EVICT
+    figures = memory.probe_memory(device)
+    fits = figures.device_free - headroom >= total * itemsize and forced is not Tier.EVICT
     # The per-storage sizes matter only to eviction: skip walking the storages when the buffer fits.
     storages = [] if fits or forced is Tier.DEVICE else _storages(tensors)
     decision = policy.choose_defragment([nbytes for nbytes, _ in storages] or [0], total * itemsize,
-                                        memory.device_free, headroom)
+                                        figures.device_free, headroom)
     if forced is not None and forced is not decision.tier:
         evict = tuple(range(len(storages))) if forced is Tier.EVICT else ()
         decision = policy.DefragmentDecision(forced, f"forced by the caller (tier={forced.value!r})",
                                              decision.buffer_bytes, decision.free_bytes, headroom, evict)
-    policy.log_decision(f"defragment of {len(tensors)} partitions", decision, memory)
+    policy.log_decision(f"defragment of {len(tensors)} partitions", decision, figures)
 
     if decision.tier is Tier.DEVICE:
-        flat = _try_empty(total, dtype, device)
+        flat = try_empty(total, dtype, device, "flat buffer")
         if flat is not None:
             _copy_into(flat, tensors)
             _repoint(flat, tensors)
             return flat
         logger.warning("ztriton defragment: the flat buffer (%s) did not fit on %s after all; evicting every "
-                       "partition to pinned host memory", _gib(total * itemsize), device)
+                       "partition to pinned host memory", format_bytes(total * itemsize), device)
         storages = _storages(tensors)
         decision = policy.DefragmentDecision(Tier.EVICT, "device allocation failed", decision.buffer_bytes,
                                              decision.free_bytes, headroom, tuple(range(len(storages))))
     return _evict_and_pack(tensors, storages, decision.evict, total)
-
-
-def _parse_tier(tier: Tier | str | None) -> Tier | None:
-    if tier is None:
-        return None
-    if tier not in (Tier.DEVICE, Tier.EVICT, "device", "evict"):
-        raise ValueError(f"tier must be 'device', 'evict' or None, got {tier!r}")
-    return Tier(tier)
 
 
 def is_packed(tensors: Sequence[torch.Tensor]) -> bool:
@@ -150,13 +143,11 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequen
     chosen = range(len(tensors)) if only is None else only
     slices = [(_flat_view(tensors[i]), 0, tensors[i].numel(), offsets[i]) for i in chosen if tensors[i].numel()]
     local = [s for s in slices if s[0].device == flat.device]
+    # The slices cover flat (no gap to zero): kernels for the ones on flat's device, torch for the rest.
     if local and kernels_run_on(flat.device):
-        from ztriton.kernels import pack_slices
-
         pack_slices(flat, local)
         local = []
-    for src, _, count, offset in local + [s for s in slices if s[0].device != flat.device]:
-        flat.narrow(0, offset, count).copy_(src, non_blocking=src.is_pinned())
+    torch_run(flat, [Piece(*s) for s in local + [s for s in slices if s[0].device != flat.device]])
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -171,15 +162,15 @@ def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[
     allocator is fragmented), move every remaining partition out too and try once more."""
     dtype, device = tensors[0].dtype, tensors[0].device
     staged = [_move_to_host(tensors, sorted(i for s in evict for i in storages[s][1]))]
-    flat = _try_empty(total, dtype, device)
+    flat = try_empty(total, dtype, device, "flat buffer")
     if flat is None:
         staged.append(_move_to_host(tensors, [i for i, t in enumerate(tensors) if t.device == device]))
-        flat = _try_empty(total, dtype, device)
+        flat = try_empty(total, dtype, device, "flat buffer")
     if flat is None:
         moved = sum(buffer.nbytes for buffer in staged)
         raise torch.OutOfMemoryError(
-            f"ztriton defragment: cannot allocate the flat buffer ({_gib(total * tensors[0].element_size())}) on "
-            f"{device} even after moving {_gib(moved)} of partitions to host memory; those partitions now live in "
+            f"ztriton defragment: cannot allocate the flat buffer ({format_bytes(total * tensors[0].element_size())}) on "
+            f"{device} even after moving {format_bytes(moved)} of partitions to host memory; those partitions now live in "
             "host memory (their .data is a CPU tensor). Free device memory (or offload params) and retry.")
     _copy_into(flat, tensors)
     synchronize(device)  # the pinned host-to-device copies must land before the host buffers go
@@ -191,7 +182,7 @@ def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> torch.
     """Copy ``tensors[indices]`` into one (pinned) host buffer and re-point them there, so that their
     device storages can be freed; returns the host buffer."""
     device = tensors[0].device
-    staged = _host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype)
+    staged = host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype, "evicted partitions")
     at = 0
     for i in indices:
         n = tensors[i].numel()
@@ -206,29 +197,3 @@ def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> torch.
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return staged
-
-
-def _try_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    try:
-        return torch.empty(numel, dtype=dtype, device=device)
-    except torch.OutOfMemoryError:
-        return None
-    except RuntimeError as exc:  # the CPU allocator's out-of-memory is a plain RuntimeError
-        if "allocat" in str(exc):
-            return None
-        raise
-
-
-def _host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Pinned host memory when CUDA is present (copies at full speed, asynchronously), else plain."""
-    if torch.cuda.is_available():
-        try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
-        except RuntimeError:
-            logger.warning("ztriton defragment: pinning %s failed; using pageable host memory",
-                           _gib(numel * torch.empty((), dtype=dtype).element_size()))
-    return torch.empty(numel, dtype=dtype)
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / policy.GiB:.2f} GiB"

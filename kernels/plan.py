@@ -1,11 +1,12 @@
-"""Launch functions: strided chunk copy, multi-tensor pack and its window form.
+"""Planning the copies: validation, pieces -> launch tables, :class:`Plan` and :class:`Tuning`.
 
-Everything here reduces to one plan: a list of *pieces* (elements ``[start, start + count)`` of a
-source's row-major flattening go to ``dst[offset : offset + count]``) and a list of zero ranges of
-``dst``. Pieces whose source range is contiguous in memory become byte segments, cut into rows of
-the word-copy table by alignment class (16-byte words when source and destination agree modulo 16,
-narrower words otherwise); strided pieces become tiles of the gather table. A plan costs at most one
-launch per alignment class plus one gather launch, whatever the number of tensors.
+Everything reduces to one plan: a list of *pieces* (elements ``[start, start + count)`` of a
+source's row-major flattening go to ``dst[offset : offset + count]``; see ``docs/architecture.md``,
+"Vocabulary") and a list of zero ranges of ``dst``. Pieces whose source range is contiguous in memory
+become byte segments, cut into rows of the word-copy table by alignment class (16-byte words when
+source and destination agree modulo 16, narrower words otherwise); strided pieces become tiles of
+the gather table. A plan costs at most one launch per alignment class plus one gather launch,
+whatever the number of tensors.
 
 All sizes are element counts and all offsets int64; nothing here knows about ZeRO.
 """
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 import triton.language as tl
 
-from ztriton.kernels.copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
+from .copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
-__all__ = ["Piece", "Plan", "Tuning", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices", "run_plan", "uncovered"]
+__all__ = ["Piece", "Plan", "Tuning", "byte_extent", "check_dst", "make_plan", "pack_pieces", "run_plan",
+           "slices_to_pieces", "uncovered", "validate"]
 
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -40,7 +42,7 @@ class Piece:
 # Validation: everything is checked before any byte is written.
 
 
-def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """``[first, last)`` bytes of memory that a view touches (empty views touch nothing)."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
@@ -48,7 +50,7 @@ def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + span * t.element_size()
 
 
-def _check_dst(dst: torch.Tensor) -> None:
+def check_dst(dst: torch.Tensor) -> None:
     if not isinstance(dst, torch.Tensor):
         raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
     if not dst.is_contiguous():
@@ -71,12 +73,13 @@ class _Sources:
     lo: np.ndarray  # first byte the source view touches
     hi: np.ndarray  # one past its last byte
     contiguous: np.ndarray
+    local: np.ndarray  # on dst's device (only those can overlap dst in memory)
 
 
-def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor) -> _Sources:
-    """Check each piece's type, dtype and device, and collect its sizes and memory extent."""
+def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool) -> _Sources:
+    """Check each piece's type, dtype and (if ``same_device``) device, and collect its sizes and memory extent."""
     columns = [[] for _ in range(6)]
-    contiguous = []
+    contiguous, local = [], []
     for i, piece in enumerate(pieces):
         src = piece.src
         if not isinstance(src, torch.Tensor):
@@ -84,7 +87,7 @@ def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor) -> _Sources:
         if src.dtype != dst.dtype:
             raise TypeError(f"sources[{i}] has dtype {src.dtype} but dst has dtype {dst.dtype}; "
                             "kernels move bits and never convert: cast the source first")
-        if src.device != dst.device:
+        if same_device and src.device != dst.device:
             raise ValueError(f"sources[{i}] is on {src.device} but dst is on {dst.device}; "
                              "move one of them so both are on the same device")
         dense = src.is_contiguous()
@@ -92,14 +95,15 @@ def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor) -> _Sources:
             lo = src.data_ptr()
             hi = lo + src.numel() * src.element_size()
         else:
-            lo, hi = _byte_extent(src)
+            lo, hi = byte_extent(src)
             sizes, strides = _merged_dims(src)
             dense = len(sizes) == 1 and strides[0] == 1
         for column, value in zip(columns, (piece.start, piece.count, piece.offset, src.numel(), lo, hi)):
             column.append(value)
         contiguous.append(dense)
+        local.append(src.device == dst.device)
     arrays = [np.array(c, dtype=np.int64) for c in columns]
-    return _Sources(*arrays, contiguous=np.array(contiguous, dtype=bool))
+    return _Sources(*arrays, contiguous=np.array(contiguous, dtype=bool), local=np.array(local, dtype=bool))
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -118,8 +122,8 @@ def _check_ranges(srcs: _Sources, dst: torch.Tensor) -> None:
     if i is not None:
         raise ValueError(f"sources[{i}]: destination range [{int(srcs.offset[i])}, "
                          f"{int(srcs.offset[i] + srcs.count[i])}) does not fit in dst of {dst.numel()} elements")
-    dst_lo, dst_hi = _byte_extent(dst)
-    i = _first((srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo))
+    dst_lo, dst_hi = byte_extent(dst)
+    i = _first(srcs.local & (srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo))
     if i is not None:
         raise ValueError(f"sources[{i}] overlaps dst in memory (source bytes [{int(srcs.lo[i]):#x}, "
                          f"{int(srcs.hi[i]):#x}), dst bytes [{dst_lo:#x}, {dst_hi:#x})); copy from a separate buffer")
@@ -353,14 +357,13 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
-def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              tuning: Tuning = Tuning()) -> Plan:
-    """Validate, then build the launches that copy every piece into ``dst`` and zero ``zero_ranges``.
-
-    ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
-    """
-    _check_dst(dst)
-    srcs = _gather_sources(pieces, dst)
+def validate(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
+             same_device: bool = True) -> tuple[_Sources, np.ndarray]:
+    """Every check of a copy, before any byte is written: ``dst`` contiguous, each piece's dtype (and,
+    with ``same_device``, device), ranges inside their tensors, no source memory inside ``dst``, no two
+    destination ranges overlapping. Returns the pieces' facts and the zero ranges as an ``[n, 2]`` array."""
+    check_dst(dst)
+    srcs = _gather_sources(pieces, dst, same_device)
     _check_ranges(srcs, dst)
     zeros = np.array(list(zero_ranges), dtype=np.int64).reshape(-1, 2)
     i = _first((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (zeros.sum(1) > dst.numel()))
@@ -370,6 +373,16 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     n = len(pieces)
     _check_disjoint(np.concatenate([srcs.offset, zeros[:, 0]]), np.concatenate([srcs.offset + srcs.count, zeros.sum(1)]),
                     lambda k: f"sources[{k}]" if k < n else "a pad range")
+    return srcs, zeros
+
+
+def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
+              tuning: Tuning = Tuning()) -> Plan:
+    """Validate, then build the launches that copy every piece into ``dst`` and zero ``zero_ranges``.
+
+    ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
+    """
+    srcs, zeros = validate(dst, pieces, zero_ranges)
 
     itemsize = dst.element_size()
     # Kernels address dst from the start of its storage, which the allocator aligns, so that an
@@ -415,26 +428,7 @@ def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[t
     make_plan(dst, pieces, zero_ranges).launch()
 
 
-# --------------------------------------------------------------------------------------------
-# Public launch functions.
-
-
-def copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:
-    """Write elements ``[start, start + count)`` of ``src``'s row-major flattening into ``dst[:count]``.
-
-    ``src`` may have any shape and strides (transposed, sliced, expanded, offset); it is read in
-    place, never made contiguous. ``dst`` is contiguous, for example a view into a larger buffer;
-    ``count`` defaults to ``dst.numel()``. Returns ``dst``.
-    """
-    _check_dst(dst)
-    count = dst.numel() if count is None else count
-    if count > dst.numel():
-        raise ValueError(f"count={count} exceeds dst's {dst.numel()} elements")
-    run_plan(dst, [Piece(src, start, count, 0)])
-    return dst
-
-
-def uncovered(covered: list[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
+def uncovered(covered: Sequence[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
     """``(offset, count)`` of the parts of ``[begin, end)`` that no ``(b, e)`` in ``covered`` holds."""
     gaps, cursor = [], begin
     for b, e in sorted(covered):
@@ -446,22 +440,21 @@ def uncovered(covered: list[tuple[int, int]], begin: int, end: int) -> list[tupl
     return gaps
 
 
-def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-         window: tuple[int, int] | None = None) -> torch.Tensor:
-    """Lay ``sources`` (flattened row-major) at element ``offsets`` of a flat layout, zeros elsewhere.
-
-    Without ``window`` the layout is ``dst`` itself. With ``window=(w0, w1)`` only elements
-    ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
-    flat buffer. Every element of the window is written exactly once. Returns ``dst``.
-    """
-    pack_plan(dst, sources, offsets, window).launch()
-    return dst
+def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]
+                     ) -> tuple[list[Piece], list[tuple[int, int]]]:
+    """``(src, start, count, offset)`` slices as pieces, and the ranges of ``dst`` they leave to zero."""
+    check_dst(dst)
+    pieces = [Piece(*s) for s in slices]
+    return pieces, uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel())
 
 
-def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-              window: tuple[int, int] | None = None, tuning: Tuning = Tuning()) -> Plan:
-    """The :class:`Plan` of :func:`pack`, to launch later or again."""
-    _check_dst(dst)
+def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+                window: tuple[int, int] | None = None) -> tuple[list[Piece], list[tuple[int, int]]]:
+    """The pieces and zero ranges of a pack: ``sources`` (flattened row-major) at element ``offsets``
+    of a flat layout, zeros elsewhere; with ``window=(w0, w1)`` only elements ``[w0, w1)`` of that
+    layout, written to ``dst[: w1 - w0]``. Checks the arguments of the pack itself; the pieces are
+    checked by :func:`validate`."""
+    check_dst(dst)
     if len(sources) != len(offsets):
         raise ValueError(f"got {len(sources)} sources but {len(offsets)} offsets")
     w0, w1 = (0, dst.numel()) if window is None else window
@@ -488,15 +481,4 @@ def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seque
     pieces = [Piece(src, a - o, b - a, a - w0) if keep else Piece(src, 0, 0, 0)
               for src, o, a, b, keep in zip(sources, begin.tolist(), lo.tolist(), hi.tolist(), inside)]
     covered = [(p.offset, p.offset + p.count) for p, keep in zip(pieces, inside) if keep]
-    return make_plan(dst, pieces, uncovered(covered, 0, w1 - w0), tuning)
-
-
-def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
-    """Copy each ``(src, start, count, offset)`` slice into ``dst`` and zero everything else of ``dst``.
-
-    For one rank's ZeRO-3 slices of many params into one per-rank buffer. Returns ``dst``.
-    """
-    _check_dst(dst)
-    pieces = [Piece(*s) for s in slices]
-    run_plan(dst, pieces, uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel()))
-    return dst
+    return pieces, uncovered(covered, 0, w1 - w0)

@@ -1,0 +1,62 @@
+"""The launch functions: strided chunk copy, multi-tensor pack, its window form, and slices.
+
+Each builds a :class:`~ztriton.kernels.plan.Plan` (validated before any byte is written) and launches
+it. :mod:`ztriton.kernels.reference` does the same in plain torch: the fallback where the kernels
+cannot run, and the tests' oracle.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .plan import Piece, Plan, Tuning, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
+
+__all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]
+
+
+def copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:
+    """Write elements ``[start, start + count)`` of ``src``'s row-major flattening into ``dst[:count]``.
+
+    ``src`` may have any shape and strides (transposed, sliced, expanded, offset); it is read in
+    place, never made contiguous. ``dst`` is contiguous, for example a view into a larger buffer;
+    ``count`` defaults to ``dst.numel()``. Returns ``dst``.
+    """
+    run_plan(dst, [chunk_piece(src, dst, start, count)])
+    return dst
+
+
+def chunk_piece(src: torch.Tensor, dst: torch.Tensor, start: int, count: int | None) -> Piece:
+    """The one piece of :func:`copy_chunk` (``count`` defaults to all of ``dst``)."""
+    check_dst(dst)
+    count = dst.numel() if count is None else count
+    if count > dst.numel():
+        raise ValueError(f"count={count} exceeds dst's {dst.numel()} elements")
+    return Piece(src, start, count, 0)
+
+
+def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+         window: tuple[int, int] | None = None) -> torch.Tensor:
+    """Lay ``sources`` (flattened row-major) at element ``offsets`` of a flat layout, zeros elsewhere.
+
+    Without ``window`` the layout is ``dst`` itself. With ``window=(w0, w1)`` only elements
+    ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
+    flat buffer. Every element of the window is written exactly once. Returns ``dst``.
+    """
+    pack_plan(dst, sources, offsets, window).launch()
+    return dst
+
+
+def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+              window: tuple[int, int] | None = None, tuning: Tuning = Tuning()) -> Plan:
+    """The :class:`Plan` of :func:`pack`, to launch later or again."""
+    return make_plan(dst, *pack_pieces(dst, sources, offsets, window), tuning)
+
+
+def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
+    """Copy each ``(src, start, count, offset)`` slice into ``dst`` and zero everything else of ``dst``.
+
+    For one rank's ZeRO-3 slices of many params into one per-rank buffer. Returns ``dst``.
+    """
+    run_plan(dst, *slices_to_pieces(dst, slices))
+    return dst

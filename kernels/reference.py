@@ -1,0 +1,55 @@
+"""The torch reference of every launch function: the same contract, the same checks, plain torch.
+
+Two jobs, one implementation: the entry points fall back to it where the kernels cannot run (CPU
+tensors without ``TRITON_INTERPRET=1``, or sources on another device than the destination), and the
+tests use it as the oracle the kernels are compared with. Unlike the kernels it accepts sources on
+any device (``copy_`` moves them; to or from pinned host memory asynchronously: synchronise before
+reading the result on the host or letting the sources go).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .ops import chunk_piece
+from .plan import Piece, pack_pieces, slices_to_pieces, validate
+
+__all__ = ["bits", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch_run"]
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements, flattened, as same-width integers: how a result is compared with the
+    reference (``torch.equal`` on these; NaN-safe, -0.0-safe, and alike for bf16, fp8 and bool)."""
+    flat = tensor.detach().contiguous().view(-1)
+    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+
+
+def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+    """Copy every piece into ``dst`` and zero ``zero_ranges``, after the kernels' own checks."""
+    validate(dst, pieces, zero_ranges, same_device=False)
+    for offset, count in zero_ranges:
+        dst.narrow(0, offset, count).zero_()
+    for p in pieces:
+        if p.count:
+            src = p.src.reshape(-1).narrow(0, p.start, p.count)
+            dst.narrow(0, p.offset, p.count).copy_(src, non_blocking=src.is_pinned() or dst.is_pinned())
+    return dst
+
+
+def torch_copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:
+    """:func:`ztriton.kernels.copy_chunk` in torch."""
+    return torch_run(dst, [chunk_piece(src, dst, start, count)])
+
+
+def torch_pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+               window: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`ztriton.kernels.pack` in torch."""
+    return torch_run(dst, *pack_pieces(dst, sources, offsets, window))
+
+
+def torch_pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
+    """:func:`ztriton.kernels.pack_slices` in torch."""
+    return torch_run(dst, *slices_to_pieces(dst, slices))

@@ -1,0 +1,91 @@
+"""The config key ``"partition_backend"`` and its ``"ztriton"`` section, read from a DeepSpeed config.
+
+A top-level key: DeepSpeed's ``zero_optimization`` section rejects unknown keys, top-level unknown
+keys are accepted and readable from the config dict. The section's options are
+:class:`ztriton.policy.Options`, checked there.
+"""
+from __future__ import annotations
+
+import base64
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ztriton.policy import OPTION_NAMES, Options
+
+__all__ = ["BACKENDS", "CONFIG_KEY", "OPTIONS_KEY", "Settings", "settings_from"]
+
+CONFIG_KEY = "partition_backend"
+OPTIONS_KEY = "ztriton"
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a DeepSpeed config asks of ztriton: the backend ("torch": DeepSpeed's own code) and the
+    options of the ``"ztriton"`` section (``host_init_bytes``, ``chunk_bytes``, ``headroom_bytes``)."""
+
+    backend: str = "torch"
+    options: Options = field(default_factory=Options)
+
+    @property
+    def triton(self) -> bool:
+        return self.backend == "triton"
+
+
+def settings_from(config: Any) -> Settings:
+    """The :class:`Settings` of a DeepSpeed config: a dict, a JSON/HJSON path, a base64 string (as
+    DeepSpeed accepts) or a ``DeepSpeedConfig``; ``None`` gives the defaults (backend "torch").
+
+    Raises ``ValueError`` naming the key for an unknown backend or a malformed ``"ztriton"`` section.
+    """
+    if config is None:
+        return Settings()
+    values = _config_dict(config)
+    backend = values.get(CONFIG_KEY, "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"DeepSpeed config: {CONFIG_KEY!r} must be one of {list(BACKENDS)}, got {backend!r} "
+                         f"(\"triton\" routes ZeRO's load-time data movement through ztriton, \"torch\" keeps "
+                         "DeepSpeed's own code)")
+    section = values.get(OPTIONS_KEY) or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"DeepSpeed config: {OPTIONS_KEY!r} must be a dict of {list(OPTION_NAMES)}, got "
+                         f"{type(section).__name__}")
+    unknown = sorted(set(section) - set(OPTION_NAMES))
+    if unknown:
+        raise ValueError(f"DeepSpeed config: unknown {OPTIONS_KEY!r} option(s) {unknown}; known: {list(OPTION_NAMES)}")
+    try:
+        options = Options.of(**section)
+    except ValueError as exc:  # Options names the option; say where it came from
+        raise ValueError(f"DeepSpeed config: {OPTIONS_KEY}.{exc}") from None
+    return Settings(backend, options)
+
+
+def _config_dict(config: Any) -> dict:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if isinstance(config, DeepSpeedConfig):
+        return config._param_dict
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        import hjson  # what DeepSpeedConfig reads files and base64 strings with
+
+        if os.path.exists(config):
+            with open(config) as handle:
+                return hjson.load(handle)
+        try:
+            return hjson.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"DeepSpeed config {config!r} is neither an existing file nor base64") from exc
+    if hasattr(config, "config") and isinstance(config.config, dict):  # transformers' HfDeepSpeedConfig
+        return config.config
+    raise TypeError(f"a DeepSpeed config is a dict, a path or a DeepSpeedConfig, got {type(config).__name__}")
+
+
+def config_init(original, self, config, *args, **kwargs):
+    """``DeepSpeedConfig.__init__``: the key is read and checked wherever DeepSpeed reads a config."""
+    if isinstance(config, type(self)):  # zero.Init(config_dict_or_path=<DeepSpeedConfig>): read its dict
+        config = config._param_dict
+    original(self, config, *args, **kwargs)
+    settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work

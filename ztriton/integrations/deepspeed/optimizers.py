@@ -1,0 +1,94 @@
+"""The ZeRO optimizers under ``"partition_backend": "triton"``: the ZeRO-1/2 init-time flatten goes
+through :func:`ztriton.flatten_groups`, the stage-3 ``lp_param_buffer`` through :func:`ztriton.defragment`.
+
+Only the optimizer's construction is affected (the engine marks it): the flattens in ``step()`` and
+checkpoint loading stay DeepSpeed's.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ztriton.integrations.deepspeed.config import settings_from
+from ztriton.integrations.deepspeed.state import STATE
+from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
+
+logger = logging.getLogger("ztriton")
+
+
+def engine_configure_zero_optimizer(original, self, *args, **kwargs):
+    """``DeepSpeedEngine._configure_zero_optimizer``: marks the optimizer's construction with the settings."""
+    token = STATE.building_optimizer.set(settings_from(self._config))
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        STATE.building_optimizer.reset(token)
+
+
+def accelerator_available_memory(original, self, *args, **kwargs):
+    """While a ZeRO-1/2 optimizer is built under the key, the accelerator reports unbounded free memory:
+    DeepSpeed's own check would otherwise move every param to pageable host memory (its CPU fallback);
+    ztriton's tiers decide instead, from their own measurements. A context variable, not a patch set and
+    unset on the shared accelerator object, so other threads and later engines see the real figure."""
+    return 1 << 62 if STATE.spoof_free_memory.get() else original(self, *args, **kwargs)
+
+
+def zero12_init(original, self, *args, **kwargs):
+    """``DeepSpeedZeroOptimizer.__init__``."""
+    settings = STATE.building_optimizer.get()
+    if settings is None or not settings.triton:
+        return original(self, *args, **kwargs)
+    logger.info("ztriton: the ZeRO-1/2 optimizer's init-time flatten goes through ztriton.flatten_groups")
+    spoof = STATE.spoof_free_memory.set(True)
+    flattening = STATE.flattening.set((self, settings))
+    try:
+        original(self, *args, **kwargs)
+    finally:
+        STATE.flattening.reset(flattening)
+        STATE.spoof_free_memory.reset(spoof)
+
+
+def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+    """``DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned``."""
+    owner, settings = STATE.flattening.get() or (None, None)
+    # Only the init-time call passes param_padding; step() and checkpoint loading stay DeepSpeed's.
+    if owner is not self or use_cpu_data or param_padding is None:
+        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
+    index = len(self.bit16_groups_flat)
+    group = self.real_dp_process_group[index]
+    mismatch = _zero12_layout_mismatch(self, index, tensor_list, alignment, group)
+    if mismatch:
+        logger.warning("ztriton: group %d's layout differs from DeepSpeed's (%s); DeepSpeed flattens it", index, mismatch)
+        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
+    from ztriton.flatten import flatten_groups  # imports triton: on first use only
+
+    options = settings.options
+    (flat,) = flatten_groups([tensor_list], group, parameter_alignment=self.parameter_alignment,
+                             headroom_bytes=options.headroom_bytes, chunk_bytes=options.chunk_bytes)
+    return flat.flat
+
+
+def _zero12_layout_mismatch(optimizer, index: int, tensors: list, alignment: int, group) -> str | None:
+    """Why ztriton's layout of this group would differ from the one DeepSpeed just computed, or None."""
+    world = torch.distributed.get_world_size(group)
+    if alignment != NCCL_START_ALIGNMENT_FACTOR * world:
+        return f"alignment {alignment} is not {NCCL_START_ALIGNMENT_FACTOR} x world size {world}"
+    if not all(t.requires_grad and t.numel() > 0 for t in tensors):
+        return "a frozen or empty tensor in the group"
+    layout = zero12_group_layout([t.numel() for t in tensors], world, element_size=tensors[0].element_size(),
+                                 parameter_alignment=optimizer.parameter_alignment)
+    if list(layout.offsets) != list(optimizer.round_robin_bit16_offsets[index]) or \
+            list(layout.paddings) != list(optimizer.round_robin_bit16_padding[index]):
+        return "offsets or paddings"
+    return None
+
+
+def stage3_defragment(original, tensors):
+    """``deepspeed.runtime.zero.stage3.defragment``: the ZeRO-3 optimizer's ``lp_param_buffer``."""
+    settings = STATE.building_optimizer.get()
+    if settings is None or not settings.triton:
+        return original(tensors)
+    from ztriton.defragmenting import defragment  # imports triton: on first use only
+
+    return defragment(tensors, headroom_bytes=settings.options.headroom_bytes)

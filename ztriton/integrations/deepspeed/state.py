@@ -1,0 +1,54 @@
+"""What the hooks remember, in one object (:data:`STATE`), instead of attributes on DeepSpeed's objects.
+
+* per ``zero.Init`` object (weakly keyed: it goes when the Init goes): its :class:`InitState`;
+* while a ZeRO optimizer is constructed under an engine: that engine's settings (a context variable,
+  so other threads and later engines are not affected), and whether the accelerator reports
+  unbounded free memory;
+* the DeepSpeed functions :mod:`.install` replaced, to put them back.
+"""
+from __future__ import annotations
+
+import contextvars
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from ztriton.integrations.deepspeed.config import Settings
+from ztriton.policy import Options
+
+__all__ = ["InitState", "STATE"]
+
+
+@dataclass
+class InitState:
+    """One ``zero.Init``: its settings, its options once resolved (staging chunk and host-init size are
+    picked once per Init: probing free memory per module would cost a query each), and its progress."""
+
+    settings: Settings
+    announced: bool = False  # the "partitions through ztriton" / "falls back" line was logged
+    options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
+    done_bytes: int = 0
+    done_params: int = 0
+    host_created: int = 0  # tensors its constructors created in host memory
+
+
+@dataclass
+class HookState:
+    inits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # Settings of the engine whose ZeRO optimizer is being constructed (None outside that construction).
+    building_optimizer: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("ztriton_optimizer", default=None))
+    # The ZeRO-1/2 optimizer whose init-time flatten goes through ztriton, with its settings.
+    flattening: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("ztriton_flattening", default=None))
+    spoof_free_memory: contextvars.ContextVar = field(
+        default_factory=lambda: contextvars.ContextVar("ztriton_spoof_memory", default=False))
+    # (owner, name) -> (DeepSpeed's function, whether owner itself defined it rather than a base class).
+    originals: dict[tuple[Any, str], tuple[Any, bool]] = field(default_factory=dict)
+
+    def init(self, init) -> InitState | None:
+        """The state of a ``zero.Init`` object, None if it was not made while the hooks were installed."""
+        return self.inits.get(init)
+
+
+STATE = HookState()

@@ -1,0 +1,124 @@
+"""ZeRO-3 parameters: partitions that :mod:`ztriton.partitioning` filled, made into DeepSpeed parameters.
+
+A torch Parameter gets the ``ds_*`` attributes and the ``all_gather`` / ``partition`` methods exactly
+as ``zero.Init`` installs them, and its partition (``ds_tensor``) becomes the one ztriton filled,
+without DeepSpeed's own broadcast and slicing. :func:`partition` is ``ztriton.partition``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ztriton.comm import world_of
+from ztriton.policy import Options
+
+if TYPE_CHECKING:
+    from ztriton.partitioning import Partitioned
+
+__all__ = ["DEFAULT_ZERO3_CONFIG", "install_partitions", "is_zero3_param", "partition", "unsupported_reason",
+           "zero3_context"]
+
+# Config used when the caller gives none: ZeRO stage 3 with DeepSpeed's defaults. Only the
+# partitioning machinery is used from it (process group, remote device, persistence thresholds).
+DEFAULT_ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+
+def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *, remote_device: str | None = None,
+              pin_memory: bool = True, chunk_bytes: int | None = None, headroom_bytes: int | None = None,
+              config: dict | None = None) -> Partitioned:
+    """Partition every not-yet-partitioned parameter of ``module`` over ``group`` as ZeRO-3 does.
+
+    Afterwards ``deepspeed.zero.GatheredParameters(list(module.parameters()))`` gives back the full
+    tensors and ``deepspeed.initialize(model=module, config=<stage 3>)`` accepts the module.
+
+    Args:
+        group: the partition group (default: the whole world). torch.distributed must be initialised.
+        remote_device: ``"cpu"`` keeps partitions in host memory (pinned if ``pin_memory`` and CUDA is
+            present), as DeepSpeed's ``offload_param``; default: the accelerator.
+        chunk_bytes: staging chunk size; default: the policy's pick from free device memory.
+        headroom_bytes: device memory the policy leaves free (default 1 GiB).
+        config: a DeepSpeed config dict for the ZeRO-3 machinery (default: stage 3, its defaults).
+
+    On any error before the partitions are installed, the parameters are left as they were.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if remote_device not in (None, "cpu"):
+        raise ValueError(f"remote_device must be None (the accelerator) or 'cpu', got {remote_device!r}; "
+                         "for NVMe offload use deepspeed.zero.Init")
+    world = world_of(group, required=True)
+    options = Options.of(headroom_bytes=headroom_bytes, chunk_bytes=chunk_bytes)
+    named = [(n, p) for n, p in module.named_parameters() if not is_zero3_param(p)]
+    context = zero3_context(group, remote_device, pin_memory, config)
+    reason = unsupported_reason(context)
+    if reason is not None:
+        raise NotImplementedError(f"ztriton.partition does not build partitions for {reason}; "
+                                  "use deepspeed.zero.Init for this mode")
+    from ztriton.partitioning import partition_params  # imports triton: on first use only
+
+    local = torch.device(context.local_device)
+    result = partition_params(named, world, home=torch.device("cpu") if remote_device == "cpu" else local,
+                              probe_device=local, pin_memory=pin_memory, options=options)
+    install_partitions(context, result)
+    return result
+
+
+def install_partitions(context, result: Partitioned) -> None:
+    """Make every partition of ``result`` its parameter's ``ds_tensor``, converting the parameter with
+    ``context``'s (a ``zero.Init`` object's) process group and devices. Only now do parameters change."""
+    local = torch.device(context.local_device)
+    for part in result.partitions:
+        context._convert_to_deepspeed_param(part.param)
+        _install_partition(part.param, part.data, part.aligned_numel, local)
+
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """True for a parameter DeepSpeed already converted (``zero.Init`` or an earlier ``partition``)."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_context(group, remote_device: str | None, pin_memory: bool, config: dict[str, Any] | None):
+    """A ``deepspeed.zero.Init`` object that is never entered: it only converts parameters.
+
+    Entering it would patch module constructors; constructing it only reads the config and the
+    process group, which the converted parameters' methods then use.
+    """
+    import deepspeed
+
+    return deepspeed.zero.Init(module=None, data_parallel_group=group, remote_device=remote_device,
+                               pin_memory=pin_memory, config_dict_or_path=config or DEFAULT_ZERO3_CONFIG)
+
+
+def _install_partition(param: torch.nn.Parameter, ds_tensor: torch.Tensor, aligned_numel: int,
+                       placeholder_device: torch.device) -> None:
+    """Make ``ds_tensor`` (this rank's slice, a view of a per-rank buffer) the param's partition and
+    free the full tensor, leaving the state ``Init._partition_param`` leaves after a first partition."""
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
+
+    ds_tensor.requires_grad = False
+    param.ds_tensor = ds_tensor
+    ds_tensor.ds_numel = ds_tensor.numel()
+    ds_tensor.status = PartitionedParamStatus.AVAILABLE
+    ds_tensor.final_location = None
+    param.ds_numel_aligned = aligned_numel
+    # param.data holds nothing in the partitioned state; DeepSpeed gathers onto its device.
+    param.data = torch.empty(0, dtype=param.dtype, device=placeholder_device)
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def unsupported_reason(context) -> str | None:
+    """A DeepSpeed mode whose partitions ztriton does not build, named; None if none is on."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    if context.remote_device == OffloadDeviceEnum.nvme:
+        return "NVMe parameter offload (offload_param.device='nvme')"
+    if getattr(context, "quantized_weights", False) or getattr(context, "quantized_nontrainable_weights", False):
+        return "quantized weights (zero_quantized_weights / zero_quantized_nontrainable_weights)"
+    if getattr(context, "num_ranks_in_param_group", 1) != getattr(context, "dp_world_size", 1) and \
+            getattr(context, "zero_param_process_group", None) is not None:
+        return "hpZ secondary partitions (zero_hpz_partition_size > 1)"
+    if getattr(context, "quantized_initialization", None):
+        return "quantized initialization (weight_quantization.quantized_initialization)"
+    return None
