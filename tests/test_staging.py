@@ -1,0 +1,143 @@
+"""The process-wide ring of host staging buffers: loans, waits, events, freeing, sharing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ztriton import staging
+from ztriton.staging import StagingRing
+
+
+class FakeEvent:
+    """Stands in for a CUDA event: records when the ring waits on it."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def test_buffers_are_distinct_reused_and_allocated_on_first_loan():
+    ring = StagingRing(100, count=3, idle_s=None)
+    assert ring.allocated_bytes == 0 and not ring.pinned  # no CUDA here: pageable
+    a, b = ring.acquire(), ring.acquire()
+    assert a.dtype == torch.uint8 and a.shape == (100,) and b.shape == (100,)
+    assert a.data_ptr() != b.data_ptr() and ring.allocated_bytes == 200 and ring.lent == 2
+    ring.release(a)
+    again = ring.acquire()
+    assert again.data_ptr() == a.data_ptr()  # the same memory, not a new allocation
+    assert ring.allocated_bytes == 200
+    ring.release(again)
+    ring.release(b)
+    assert ring.lent == 0
+
+
+def test_nonblocking_acquire_returns_none_when_all_are_lent():
+    ring = StagingRing(8, count=2, idle_s=None)
+    held = [ring.acquire(block=False), ring.acquire(block=False)]
+    assert all(h is not None for h in held)
+    assert ring.acquire(block=False) is None
+    ring.release(held[0])
+    assert ring.acquire(block=False).data_ptr() == held[0].data_ptr()
+
+
+def test_blocking_acquire_waits_for_a_release():
+    ring = StagingRing(8, count=1, idle_s=None)
+    first = ring.acquire()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.acquire()))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # still waiting: the only buffer is lent
+    ring.release(first)
+    waiter.join(timeout=5)
+    assert got and got[0].data_ptr() == first.data_ptr()
+
+
+def test_next_borrower_waits_for_the_release_event():
+    ring = StagingRing(8, count=1, idle_s=None)
+    event = FakeEvent()
+    ring.release(ring.acquire(), event)
+    assert event.waited == 0  # releasing does not wait
+    ring.release(ring.acquire())
+    assert event.waited == 1  # the next loan did, once
+    ring.release(ring.acquire())
+    assert event.waited == 1
+
+
+def test_release_of_a_foreign_or_returned_buffer_is_refused():
+    ring = StagingRing(8, count=1, idle_s=None)
+    buffer = ring.acquire()
+    with pytest.raises(ValueError, match="did not lend"):
+        ring.release(torch.empty(8, dtype=torch.uint8))
+    ring.release(buffer)
+    with pytest.raises(ValueError, match="already got back"):
+        ring.release(buffer)
+
+
+def test_free_returns_memory_and_refuses_while_lent():
+    ring = StagingRing(64, count=2, idle_s=None)
+    buffer = ring.acquire()
+    with pytest.raises(RuntimeError, match="still lent"):
+        ring.free()
+    event = FakeEvent()
+    ring.release(buffer, event)
+    ring.free()
+    assert ring.allocated_bytes == 0 and event.waited == 1  # pending copies finished before freeing
+    ring.release(ring.acquire())  # usable again: allocated anew
+    assert ring.allocated_bytes == 64
+
+
+def test_idle_ring_frees_itself_and_a_new_loan_cancels_that():
+    ring = StagingRing(64, count=1, idle_s=0.2)
+    ring.release(ring.acquire())
+    buffer = ring.acquire()  # lent again before the timer fires: it must not free
+    time.sleep(0.4)
+    assert ring.allocated_bytes == 64
+    ring.release(buffer)
+    deadline = time.monotonic() + 5
+    while ring.allocated_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ring.allocated_bytes == 0
+
+
+def test_lend_context_returns_the_buffer():
+    ring = StagingRing(8, count=1, idle_s=None)
+    with ring.lend() as buffer:
+        assert ring.lent == 1 and buffer.numel() == 8
+    assert ring.lent == 0
+    with pytest.raises(KeyError):
+        with ring.lend():
+            raise KeyError("boom")
+    assert ring.lent == 0
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        StagingRing(0)
+    with pytest.raises(ValueError, match="count"):
+        StagingRing(8, count=0)
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        StagingRing(True)
+
+
+def test_shared_ring_is_reused_grown_and_released(monkeypatch):
+    staging.release()
+    monkeypatch.setattr(staging, "_shared", None)  # start without the ring earlier tests left
+    small = staging.ring(128, count=2)
+    assert staging.ring(64, count=1) is small  # big enough: the same ring, its buffers kept
+    small.release(small.acquire())
+    assert small.allocated_bytes == 128
+    bigger = staging.ring(256, count=2)
+    assert bigger is not small and bigger.buffer_bytes == 256
+    assert small.allocated_bytes == 0  # the replaced ring gave its memory back
+    held = bigger.acquire()
+    private = staging.ring(512, count=2)  # the shared one is in use: a private ring, not a resize
+    assert private is not bigger and private.buffer_bytes == 512 and staging.ring(256) is bigger
+    bigger.release(held)
+    staging.release()
+    assert bigger.allocated_bytes == 0

@@ -1,0 +1,183 @@
+"""A ring of reusable host staging buffers, shared by the whole process.
+
+Moving data from disk or pageable memory to a GPU goes through host buffers; allocating pinned
+memory costs milliseconds per call and fragments the host, so a process keeps a few buffers and
+lends them out: :func:`ring` returns the shared :class:`StagingRing` (``count`` buffers of
+``buffer_bytes``, pinned when CUDA is available), allocating each buffer on its first use.
+A borrower hands a buffer back with the CUDA event of the last copy that reads it; the next
+borrower waits for that event, so a buffer is never overwritten while a copy is still reading it.
+The memory goes back to the system on :func:`release` or after ``idle_s`` seconds without a loan.
+
+This module knows nothing of what is staged: buffers are flat ``uint8`` tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["StagingRing", "ring", "release", "DEFAULT_IDLE_S"]
+
+# Seconds a ring may sit unused before its memory is freed: long enough to survive the gap between
+# two loads of one start-up, short enough not to hold gigabytes of pinned memory through training.
+DEFAULT_IDLE_S = 30.0
+
+
+class StagingRing:
+    """``count`` host buffers of ``buffer_bytes`` each, lent one at a time.
+
+    :meth:`acquire` blocks until a buffer is free and any copy still reading it has finished;
+    :meth:`release` returns it, with the event that marks the end of that copy (or None). Thread safe.
+    """
+
+    def __init__(self, buffer_bytes: int, count: int = 2, *, pin: bool | None = None,
+                 idle_s: float | None = DEFAULT_IDLE_S):
+        if not isinstance(buffer_bytes, int) or isinstance(buffer_bytes, bool) or buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be an int >= 1, got {buffer_bytes!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be an int >= 1, got {count!r}")
+        self.buffer_bytes = buffer_bytes
+        self.count = count
+        self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
+        self.idle_s = idle_s
+        self._lock = threading.Condition()
+        self._buffers: list[torch.Tensor | None] = [None] * count  # allocated on first loan
+        self._free: list[int] = list(range(count))
+        self._events: list[object | None] = [None] * count
+        self._lent: dict[int, int] = {}  # data_ptr -> slot
+        self._timer: threading.Timer | None = None
+
+    # ---- loans ------------------------------------------------------------------------------
+
+    def acquire(self, block: bool = True) -> torch.Tensor | None:
+        """A free buffer (1-D ``uint8`` of ``buffer_bytes``), once no earlier copy reads it.
+
+        With ``block=False``, None when every buffer is lent: a borrower holding buffers itself must
+        not wait for one (two users of the shared ring would each wait for the other's), it should
+        finish with one of its own first.
+        """
+        with self._lock:
+            self._cancel_timer()
+            while not self._free:
+                if not block:
+                    return None
+                self._lock.wait()
+            slot = self._free.pop()
+            event, self._events[slot] = self._events[slot], None
+            buffer = self._buffers[slot]
+            if buffer is None:
+                try:
+                    buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                except BaseException:
+                    self._free.append(slot)
+                    raise
+                self._buffers[slot] = buffer
+            self._lent[buffer.data_ptr()] = slot
+        if event is not None:
+            event.synchronize()
+        return buffer
+
+    def release(self, buffer: torch.Tensor, event: object | None = None) -> None:
+        """Give ``buffer`` back; ``event`` (e.g. a ``torch.cuda.Event``) marks the end of the last copy
+        that reads it: the next borrower waits for it."""
+        with self._lock:
+            slot = self._lent.pop(buffer.data_ptr(), None)
+            if slot is None:
+                raise ValueError("release() of a buffer this ring did not lend (or already got back)")
+            self._events[slot] = event
+            self._free.append(slot)
+            self._lock.notify()
+            if not self._lent:
+                self._arm_timer()
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[torch.Tensor]:
+        """``with ring.lend() as buffer:`` for borrowers that finish with the buffer inside the block."""
+        buffer = self.acquire()
+        try:
+            yield buffer
+        finally:
+            self.release(buffer)
+
+    # ---- memory -----------------------------------------------------------------------------
+
+    @property
+    def allocated_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._buffers if b is not None)
+
+    @property
+    def lent(self) -> int:
+        with self._lock:
+            return len(self._lent)
+
+    def free(self) -> None:
+        """Return every buffer's memory to the system now (after their pending copies). Refused while
+        a buffer is lent: its borrower may still be writing into it."""
+        with self._lock:
+            if self._lent:
+                raise RuntimeError(f"{len(self._lent)} staging buffer(s) are still lent; release them first")
+            self._cancel_timer()
+            events = [e for e in self._events if e is not None]
+            self._events = [None] * self.count
+            self._buffers = [None] * self.count
+        for event in events:
+            event.synchronize()
+
+    def _arm_timer(self) -> None:
+        if self.idle_s is None or not any(b is not None for b in self._buffers):
+            return
+        timer = threading.Timer(self.idle_s, self._free_if_idle)
+        timer.args = (timer,)
+        timer.daemon = True
+        self._timer = timer
+        timer.start()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _free_if_idle(self, timer: threading.Timer) -> None:
+        with self._lock:
+            if self._lent or self._timer is not timer:
+                return  # lent again (or freed, or re-armed) since this timer was armed
+            self._timer = None
+        with contextlib.suppress(RuntimeError):  # lent again in between: not idle after all
+            self.free()
+
+
+_shared: StagingRing | None = None
+_shared_lock = threading.Lock()
+
+
+def ring(buffer_bytes: int, count: int = 2, *, pin: bool | None = None) -> StagingRing:
+    """The process's shared ring, with at least ``count`` buffers of at least ``buffer_bytes``.
+
+    The current ring is kept when it is big enough (its buffers stay allocated between users);
+    otherwise, if none of its buffers is lent, it is freed and replaced by one of the requested size;
+    if some are lent, a private ring is returned for this caller (so concurrent users never wait on
+    each other's sizes).
+    """
+    global _shared
+    want_pin = torch.cuda.is_available() if pin is None else bool(pin)
+    with _shared_lock:
+        current = _shared
+        if (current is not None and current.buffer_bytes >= buffer_bytes and current.count >= count
+                and current.pinned == want_pin):
+            return current
+        if current is not None and current.lent:
+            return StagingRing(buffer_bytes, count, pin=want_pin)
+        if current is not None:
+            current.free()
+        _shared = StagingRing(buffer_bytes, count, pin=want_pin)
+        return _shared
+
+
+def release() -> None:
+    """Free the shared ring's memory now (it is allocated again on the next use)."""
+    with _shared_lock:
+        if _shared is not None:
+            _shared.free()
