@@ -1,0 +1,456 @@
+"""``from_pretrained`` under ZeRO-3 with ``"partition_backend": "triton"``: shard-on-read, nothing gathered.
+
+Tiny Llama, Mixtral, Qwen2-MoE and DeepSeek-V3 models (``hf_models``) are saved with ``save_pretrained``
+(one file, and sharded with an index) and loaded under transformers' ZeRO-3 (``HfDeepSpeedConfig``) on
+simulated ranks (torch's fake process group: collectives move nothing, so every value a rank holds after the
+load is one it read itself). The oracle is plain ``from_pretrained`` without DeepSpeed: rank r's partition
+holds flat elements ``[r * ps, min((r + 1) * ps, numel))`` of the param (``ps = ceil(numel / W)``), in the
+partition's dtype. Key off (transformers' own ZeRO-3 path: rank 0 reads, gathers, re-partitions) gives the
+same partitions where it is defined without real collectives: a world of one, and rank 0 of a fake world.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import deepspeed
+import ztriton  # noqa: F401 - the DeepSpeed hooks of the key (zero.Init)
+import hf_models
+from ds_reference import bits
+from transformers import AutoModelForCausalLM
+from transformers.core_model_loading import Transpose, WeightConverter
+from transformers.integrations import deepspeed as hf_deepspeed
+from transformers.modeling_utils import PreTrainedModel
+from ztriton import loading
+from ztriton.integrations import transformers as hf_integration
+from ztriton.integrations.transformers.conversion import derive_sources
+from ztriton.loading import Concat, Key, Stack
+
+DTYPE = hf_models.DTYPE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _installed():
+    assert hf_integration.install(), hf_integration.unsupported_reason()
+    yield
+    hf_integration.uninstall()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def ds_config(backend: str) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+            "partition_backend": backend}
+
+
+@contextlib.contextmanager
+def hf_zero3(backend: str) -> Iterator[None]:
+    """transformers sees ZeRO-3 with the key set to ``backend`` for the duration, and nothing afterwards."""
+    from transformers.utils import is_accelerate_available
+
+    if is_accelerate_available():
+        holder = hf_deepspeed.HfDeepSpeedConfig(ds_config(backend))
+    else:  # HfDeepSpeedConfig is accelerate's: register what transformers reads of it (.config, .is_zero3())
+        holder = type("Zero3Config", (), {"config": ds_config(backend), "is_zero3": lambda self: True})()
+        hf_deepspeed.set_hf_deepspeed_config(holder)
+    try:
+        yield
+    finally:
+        hf_deepspeed.unset_hf_deepspeed_config()
+        del holder
+
+
+class Collectives:
+    """Counts ``GatheredParameters`` contexts (and how many params each gathers) and every all-gather and
+    broadcast, at torch.distributed and at DeepSpeed's communication backend (which keeps its own references)."""
+
+    def __init__(self):
+        self.gathered: list[int] = []
+        self.calls: list[str] = []
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator["Collectives"]:
+        undo = []
+        original = deepspeed.zero.GatheredParameters
+        counter = self
+
+        class CountingGatheredParameters(original):
+            def __init__(self, params, *args, **kwargs):
+                counter.gathered.append(len(params) if isinstance(params, (list, tuple)) else 1)
+                super().__init__(params, *args, **kwargs)
+
+        deepspeed.zero.GatheredParameters = CountingGatheredParameters
+        undo.append(lambda: setattr(deepspeed.zero, "GatheredParameters", original))
+        backend = deepspeed.comm.comm.cdb
+        owners = [(torch.distributed, False)] + ([(backend, True)] if backend is not None else [])
+        for owner, on_instance in owners:
+            for name in dir(owner):
+                if ("gather" in name or "broadcast" in name) and not name.startswith(("__", "has_", "get_", "is_")) \
+                        and callable(getattr(owner, name, None)):
+                    self._wrap(owner, name, on_instance, undo)
+        try:
+            yield self
+        finally:
+            for step in reversed(undo):
+                step()
+
+    def _wrap(self, owner, name: str, on_instance: bool, undo: list) -> None:
+        function = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return function(*args, **kwargs)
+
+        own = not on_instance or name in vars(owner)  # else a class method, shadowed on the instance for a while
+        setattr(owner, name, counted)
+        undo.append((lambda: setattr(owner, name, function)) if own else (lambda: delattr(owner, name)))
+
+
+def load(path: Path, backend: str | None, **kwargs) -> tuple[torch.nn.Module, dict, Collectives, list]:
+    """``from_pretrained(path)`` under ZeRO-3 with the key set to ``backend`` (None: no DeepSpeed) in the
+    current world; returns the model, its loading info, the collectives seen and ztriton's load reports."""
+    reports, collectives = [], Collectives()
+    original = loading.load_into
+
+    def recording(*args, **kw):
+        report = original(*args, **kw)
+        reports.append(report)
+        return report
+
+    loading.load_into = recording
+    try:
+        context = hf_zero3(backend) if backend is not None else contextlib.nullcontext()
+        with context, collectives.counting():
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE, output_loading_info=True,
+                                                               **kwargs)
+    finally:
+        loading.load_into = original
+    return model, info, collectives, reports
+
+
+def plain(path: Path, **kwargs) -> dict[str, torch.Tensor]:
+    """Params and persistent buffers of plain ``from_pretrained`` (no DeepSpeed), by state-dict name."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE, **kwargs)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def valid_window(param, world_size: int, rank: int) -> tuple[int, int]:
+    psize = param.ds_tensor.ds_numel
+    assert psize == math.ceil(param.ds_numel / world_size)
+    start = rank * psize
+    return start, max(0, min(start + psize, param.ds_numel) - start)
+
+
+def check_partitions(model, want: dict[str, torch.Tensor], world_size: int, rank: int) -> None:
+    """Every param's partition (valid prefix) holds this rank's slice of ``want``, bit for bit; padding is zero;
+    persistent buffers equal ``want`` whole."""
+    params = dict(model.named_parameters())
+    assert params, "no parameters"
+    for name, param in params.items():
+        start, count = valid_window(param, world_size, rank)
+        expected = bits(want[name].to(param.ds_tensor.dtype))[start:start + count]
+        assert torch.equal(bits(param.ds_tensor)[:count], expected), f"{name}: rank {rank} of {world_size}"
+        assert not bits(param.ds_tensor)[count:].any(), f"{name}: padding is not zero"
+    persistent = set(model.state_dict())
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            assert torch.equal(bits(buffer), bits(want[name].to(buffer.dtype))), name
+
+
+def same_partitions(a, b, world_size: int, rank: int) -> None:
+    """Two ZeRO-3 models hold the same bits in every partition's valid prefix."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert list(pa) == list(pb)
+    for name in pa:
+        _, count = valid_window(pa[name], world_size, rank)
+        assert torch.equal(bits(pa[name].ds_tensor)[:count], bits(pb[name].ds_tensor)[:count]), name
+
+
+def bytes_bound(model, checkpoint_dir: Path, world_size: int, rank: int) -> int:
+    """Bytes of this rank's partitions in the checkpoint's dtype, plus the whole of each persistent buffer."""
+    checkpoint = loading.Checkpoint(checkpoint_dir)
+    sizes = {key: checkpoint.info(key).dtype.itemsize for key in checkpoint.keys()}
+    itemsize = max(sizes.values())  # the widest checkpoint dtype: a bound, whatever the param's source
+    total = 0
+    for param in model.parameters():
+        total += valid_window(param, world_size, rank)[1] * itemsize
+    persistent = set(model.state_dict())
+    total += sum(b.numel() * itemsize for n, b in model.named_buffers() if n in persistent)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(model, "single" | "sharded") -> checkpoint directory (the same values in both layouts)."""
+    out = {}
+    for name in hf_models.MODELS:
+        root = tmp_path_factory.mktemp(name)
+        out[name, "single"] = hf_models.save_checkpoint(name, root / "single")
+        out[name, "sharded"] = hf_models.save_checkpoint(name, root / "sharded", max_shard_size="20KB")
+        assert hf_models.is_sharded(out[name, "sharded"]) and not hf_models.is_sharded(out[name, "single"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: plain(checkpoints[name, "single"]) for name in hf_models.MODELS}
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def build(source, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What ``source`` says, with torch (the test's own reading of Key / Stack / Concat)."""
+    if isinstance(source, Key):
+        return tensors[source.name]
+    parts = [build(part, tensors) for part in source.parts]
+    return torch.stack(parts, source.dim) if isinstance(source, Stack) else torch.cat(parts, source.dim)
+
+
+@pytest.mark.parametrize("name", hf_models.MOE_MODELS)
+def test_sources_from_transformers_mapping_rebuild_the_fused_params(name, checkpoints, references):
+    """Every param's source, derived from the conversion mapping transformers builds for the model, rebuilds
+    (with torch.stack / torch.cat over the saved tensors) exactly what plain from_pretrained loads."""
+    from safetensors.torch import load_file
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    directory = checkpoints[name, "sharded"]
+    saved = {k: v for path in hf_models.safetensors_files(directory) for k, v in load_file(path).items()}
+    model = AutoModelForCausalLM.from_config(hf_models.config(name), dtype=DTYPE)
+    derived = derive_sources(model.state_dict().keys(), saved.keys(), get_model_conversion_mapping(model),
+                             model.base_model_prefix)
+    assert not derived.fallback and not derived.unexpected
+    assert sorted(derived.sources) == sorted(references[name])
+    for key, source in derived.sources.items():
+        assert torch.equal(bits(build(source, saved)), bits(references[name][key])), key
+    fused = {k: s for k, s in derived.sources.items() if k.endswith("gate_up_proj")}
+    assert len(fused) == (1 if name == "deepseek_v3" else 2)  # DeepSeek's layer 0 is dense
+    for source in fused.values():  # transformers' order: concat(stack_E(gate_E), stack_E(up_E), dim=1)
+        assert isinstance(source, Concat) and source.dim == 1 and len(source.parts) == 2
+        assert all(isinstance(p, Stack) and p.dim == 0 and len(p.parts) == 4 for p in source.parts)
+        gate, up = ([k.name for k in p.parts] for p in source.parts)
+        assert [k.rsplit(".", 3)[1] for k in gate] == ["0", "1", "2", "3"]  # experts in numeric order
+        assert gate[0].endswith(("experts.0.w1.weight", "experts.0.gate_proj.weight"))
+        assert up[0].endswith(("experts.0.w3.weight", "experts.0.up_proj.weight"))
+
+
+def test_a_conversion_that_is_not_a_rearrangement_falls_back_with_one_log_line(caplog):
+    converter = WeightConverter(source_patterns="o_proj_t.weight", target_patterns="o_proj.weight",
+                                operations=[Transpose(0, 1)])
+    with caplog.at_level(logging.INFO, logger="ztriton"):
+        derived = derive_sources(["model.layers.0.self_attn.o_proj.weight", "model.norm.weight"],
+                                 ["model.layers.0.self_attn.o_proj_t.weight", "model.norm.weight", "extra.weight"],
+                                 [converter], "model")
+    assert derived.fallback == {"model.layers.0.self_attn.o_proj.weight": ["model.layers.0.self_attn.o_proj_t.weight"]}
+    assert derived.sources == {"model.norm.weight": Key("model.norm.weight")}
+    assert derived.unexpected == {"extra.weight"}
+    lines = [r.getMessage() for r in caplog.records if "own ZeRO-3 path" in r.getMessage()]
+    assert len(lines) == 1 and "model.layers.0.self_attn.o_proj.weight" in lines[0] and "Transpose" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- from_pretrained
+
+# (layout, world size, rank): a world of one, a split by 3 (uneven: padding on the last rank), a split by 8.
+WORLDS = [("single", 1, 0), ("single", 3, 0), ("single", 3, 2), ("sharded", 8, 0), ("sharded", 8, 7)]
+
+
+@pytest.mark.parametrize("name", hf_models.MODELS)
+def test_key_on_partitions_are_the_ranks_slices_with_nothing_gathered(name, checkpoints, references, fake_world):
+    for layout, world_size, rank in WORLDS:
+        with fake_world(world_size, rank):
+            model, info, seen, reports = load(checkpoints[name, layout], "triton")
+            bound = bytes_bound(model, checkpoints[name, layout], world_size, rank)
+        where = f"{name} {layout} rank {rank} of {world_size}"
+        check_partitions(model, references[name], world_size, rank)
+        assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(),
+                        "error_msgs": []}, where
+        assert seen.gathered == [] and seen.calls == [], f"{where}: {seen.gathered} {seen.calls}"
+        assert len(reports) == 1 and 0 < reports[0].bytes_read <= bound, (where, reports, bound)
+        if world_size > 1:  # a rank reads about its share, far less than the checkpoint
+            total = sum(p.stat().st_size for p in hf_models.safetensors_files(checkpoints[name, layout]))
+            assert reports[0].bytes_read < total / 2, (where, reports[0].bytes_read, total)
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_key_on_equals_key_off_where_key_off_is_defined(name, checkpoints, fake_world):
+    for world_size in (1, 3):
+        models = {}
+        for backend in ("torch", "triton"):
+            with fake_world(world_size, 0):
+                models[backend], info, seen, reports = load(checkpoints[name, "single"], backend)
+            if backend == "torch":  # transformers' own path: gathers (this also shows the counter sees them)
+                assert seen.gathered and "broadcast" in seen.calls and not reports
+            else:
+                assert not seen.gathered and not seen.calls and len(reports) == 1
+        same_partitions(models["torch"], models["triton"], world_size, 0)
+
+
+def _drop(keys: list[str]):
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in keys:
+            del tensors[key]
+    return edit
+
+
+def test_missing_keys_are_initialised_one_param_at_a_time_as_key_off(checkpoints, tmp_path, fake_world):
+    """A Linear weight, a norm and both fused expert params of one layer (one module, two params: the order of
+    their random draws matters) are missing: each is gathered alone, and the values are key off's."""
+    experts = [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")]
+    dropped = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"] + experts
+    directory = hf_models.edit_checkpoint(checkpoints["mixtral", "single"], tmp_path / "missing", _drop(dropped))
+    missing = {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
+               "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    for world_size in (1, 3):
+        models = {}
+        for backend in ("torch", "triton"):
+            torch.manual_seed(2024)
+            with fake_world(world_size, 0):
+                models[backend], info, seen, _ = load(directory, backend)
+            assert info["missing_keys"] == missing, (backend, info)
+            if backend == "triton":
+                assert seen.gathered == [1] * len(missing), seen.gathered
+        same_partitions(models["torch"], models["triton"], world_size, 0)
+        params = dict(models["triton"].named_parameters())
+        norm = params["model.norm.weight"]
+        assert torch.equal(norm.ds_tensor[:valid_window(norm, world_size, 0)[1]].float(),
+                           torch.ones(valid_window(norm, world_size, 0)[1]))
+        down = params["model.layers.1.mlp.experts.down_proj"].ds_tensor.float()
+        assert 0 < down.std() < 0.1  # normal_(std=initializer_range), not left uninitialised
+
+
+def test_shape_mismatch_fails_before_anything_is_read(checkpoints, tmp_path, fake_world, references):
+    def reshape(tensors):
+        tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:21].clone()
+
+    directory = hf_models.edit_checkpoint(checkpoints["llama", "single"], tmp_path / "mismatch", reshape)
+    with fake_world(3, 1):
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\[21, 32\].*\[22, 32\]"
+                                             r".*ignore_mismatched_sizes") as error:
+            load(directory, "triton")
+        assert "nothing was loaded" in str(error.value)
+        model, info, seen, reports = load(directory, "triton", ignore_mismatched_sizes=True)
+    # as plain from_pretrained reports it; the param is initialised (one gather), everything else loaded
+    _, plain_info = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPE, output_loading_info=True,
+                                                         ignore_mismatched_sizes=True)
+    assert info["mismatched_keys"] == plain_info["mismatched_keys"] == {
+        ("model.layers.1.mlp.up_proj.weight", (21, 32), (22, 32))}
+    assert seen.gathered == [1] and len(reports) == 1
+    want = dict(references["llama"])
+    mismatched = dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+    want["model.layers.1.mlp.up_proj.weight"] = torch.zeros(22, 32)  # not compared: replaced below
+    for name, param in model.named_parameters():
+        if param is not mismatched:
+            start, count = valid_window(param, 3, 1)
+            assert torch.equal(bits(param.ds_tensor)[:count], bits(want[name].to(DTYPE))[start:start + count]), name
+
+
+def test_unexpected_keys_and_ignore_lists_as_transformers_reports_them(checkpoints, tmp_path, fake_world):
+    """DeepSeek-V3 ignores ``model.layers.61.*`` (its multi-token-prediction layer); anything else unknown is
+    reported. Its router bias is a persistent fp32 buffer, read whole from the checkpoint on every rank."""
+    def add(tensors):
+        tensors["model.layers.61.eh_proj.weight"] = torch.ones(2, 2, dtype=DTYPE)
+        tensors["model.bogus.weight"] = torch.ones(3, dtype=DTYPE)
+
+    directory = hf_models.edit_checkpoint(checkpoints["deepseek_v3", "single"], tmp_path / "extra", add)
+    _, plain_info = AutoModelForCausalLM.from_pretrained(directory, dtype=DTYPE, output_loading_info=True)
+    with fake_world(8, 5):
+        model, info, seen, _ = load(directory, "triton")
+    assert info["unexpected_keys"] == plain_info["unexpected_keys"] == {"model.bogus.weight"}
+    assert not seen.gathered and not seen.calls
+    check_partitions(model, plain(directory), 8, 5)
+
+
+def test_an_unmapped_conversion_goes_through_transformers_own_path_for_that_param_only(
+        checkpoints, tmp_path, fake_world, references, monkeypatch, caplog):
+    """A checkpoint storing one weight transposed, with a ``Transpose`` conversion registered for the model:
+    that param alone is loaded by transformers' ZeRO-3 code (one gather of one param), the rest shard-on-read."""
+    from transformers import conversion_mapping
+
+    stored = "model.layers.0.self_attn.o_proj_t.weight"
+
+    def transpose(tensors):
+        tensors[stored] = tensors.pop("model.layers.0.self_attn.o_proj.weight").t().contiguous()
+
+    directory = hf_models.edit_checkpoint(checkpoints["llama", "single"], tmp_path / "transposed", transpose)
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds transformers' registry
+    monkeypatch.setitem(conversion_mapping._checkpoint_conversion_mapping_cache, "LlamaForCausalLM", [
+        WeightConverter(source_patterns="self_attn.o_proj_t.weight", target_patterns="self_attn.o_proj.weight",
+                        operations=[Transpose(0, 1)])])
+    assert torch.equal(bits(plain(directory)["model.layers.0.self_attn.o_proj.weight"]),
+                       bits(references["llama"]["model.layers.0.self_attn.o_proj.weight"]))
+    with fake_world(3, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        model, info, seen, reports = load(directory, "triton")
+    check_partitions(model, references["llama"], 3, 0)
+    assert info["missing_keys"] == set() and seen.gathered == [1]
+    assert "model.layers.0.self_attn.o_proj.weight" not in reports[0].loaded and len(reports[0].loaded) == 28
+    assert any("o_proj.weight" in r.getMessage() and "Transpose" in r.getMessage() for r in caplog.records)
+
+
+def test_tied_embeddings_are_loaded_once_and_tied(tmp_path, fake_world):
+    directory = hf_models.save_checkpoint("llama", tmp_path / "tied", tie_word_embeddings=True)
+    want = plain(directory)
+    with fake_world(3, 2):
+        model, info, seen, reports = load(directory, "triton")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert info["missing_keys"] == set() and not seen.gathered and not seen.calls
+    check_partitions(model, want, 3, 2)
+    assert "lm_head.weight" not in reports[0].loaded
+
+
+def test_key_off_is_transformers_own_code(checkpoints, fake_world):
+    with fake_world(1, 0):
+        _, info, seen, reports = load(checkpoints["qwen2_moe", "sharded"], "torch")
+    assert reports == [] and seen.gathered and info["missing_keys"] == set()
+
+
+def test_an_unknown_transformers_is_left_alone(monkeypatch, caplog):
+    import transformers
+
+    hf_integration.uninstall()
+    try:
+        originals = {n: PreTrainedModel.__dict__[n] for n in ("_load_pretrained_model", "_initialize_missing_keys")}
+        monkeypatch.setattr(transformers, "__version__", "5.99.0")
+        with caplog.at_level(logging.WARNING, logger="ztriton"):
+            assert hf_integration.install() is False
+        assert not hf_integration.installed()
+        assert {n: PreTrainedModel.__dict__[n] for n in originals} == originals
+        lines = [r.getMessage() for r in caplog.records if r.name == "ztriton"]
+        assert len(lines) == 1 and "5.99.0" in lines[0] and "left alone" in lines[0]
+    finally:
+        monkeypatch.undo()
+        assert hf_integration.install()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_mixtral_on_the_gpu_key_on_equals_key_off(tmp_path, fake_world):
+    """On a CUDA device (DeepSpeed's CUDA accelerator; the coordinator runs this on the H200, transformers 5.17):
+    Mixtral-tiny from per-expert files, key on vs key off in a world of one and rank 0 of 8, and key on against
+    plain from_pretrained on rank 7 of 8."""
+    directory = hf_models.save_checkpoint("mixtral", tmp_path / "mixtral", max_shard_size="20KB")
+    want = plain(directory)
+    for world_size in (1, 8):
+        models = {}
+        for backend in ("torch", "triton"):
+            with fake_world(world_size, 0):
+                models[backend], _, seen, reports = load(directory, backend)
+            assert (not seen.gathered and len(reports) == 1) if backend == "triton" else seen.gathered
+        assert next(models["triton"].parameters()).ds_tensor.device.type == "cuda"
+        same_partitions(models["torch"], models["triton"], world_size, 0)
+        check_partitions(models["triton"], {k: v.cuda() for k, v in want.items()}, world_size, 0)
+    with fake_world(8, 7):
+        model, _, seen, _ = load(directory, "triton")
+    check_partitions(model, {k: v.cuda() for k, v in want.items()}, 8, 7)
+    assert not seen.gathered and not seen.calls
