@@ -15,7 +15,8 @@ if (_checkout_kernels / "__init__.py").is_file() and not (_Path(__file__).parent
 from ztriton import layout  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "defragment", "__version__"]
+__all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "defragment", "load_checkpoint",
+           "__version__"]
 
 # Every public entry point, loaded on first use: triton decides at import time whether its kernels run
 # under the interpreter (TRITON_INTERPRET=1), so `import ztriton` must not import it. (The ZeRO-3
@@ -27,7 +28,7 @@ _LAZY = {
     "flatten_groups": "ztriton.flatten",
     "FlatGroup": "ztriton.flatten",
     "defragment": "ztriton.defragmenting",
-    # "load_checkpoint": "ztriton.integrations.zero3_loading",  # added when the loader lands (issue 13)
+    "load_checkpoint": "ztriton.integrations.zero3_loading",  # ZeRO-3: each rank reads its own slices
 }
 
 
@@ -41,11 +42,23 @@ def __getattr__(name):
     raise AttributeError(f"module 'ztriton' has no attribute {name!r}")
 
 
-# The DeepSpeed config key "partition_backend" (ztriton.integrations.deepspeed.install): hooked as soon as DeepSpeed
-# is imported, without importing it here (it is slow to import and picks its accelerator on import).
-class _InstallWhenDeepSpeedLoads(_abc.MetaPathFinder):
+# The DeepSpeed config key "partition_backend": DeepSpeed's hooks (ztriton.integrations.deepspeed.install)
+# go in as soon as DeepSpeed is imported, transformers' (ztriton.integrations.transformers, from_pretrained
+# under ZeRO-3) as soon as its modeling_utils is, without importing either here (both are slow to import, and
+# DeepSpeed picks its accelerator on import).
+_INSTALLERS = {"deepspeed": ("ztriton.integrations.deepspeed.install", "DeepSpeed", "deepspeed==0.19.8"),
+               "transformers.modeling_utils": ("ztriton.integrations.transformers", "transformers",
+                                               "transformers 5.17 to 5.24")}
+
+
+class _InstallOnImport(_abc.MetaPathFinder):
+    """One shot per module: when ``name`` finishes loading, install ztriton's hooks into it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
     def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
+        if name != self.name:
             return None
         _sys.meta_path.remove(self)  # one shot: the lookup below must not come back here
         spec = _util.find_spec(name)
@@ -54,24 +67,26 @@ class _InstallWhenDeepSpeedLoads(_abc.MetaPathFinder):
 
             def exec_module(module):
                 run_module(module)
-                _install_deepspeed_hooks()
+                _install_hooks(name)
 
             spec.loader.exec_module = exec_module
         return spec
 
 
-def _install_deepspeed_hooks():
+def _install_hooks(name: str) -> None:
+    import importlib
+
+    module, library, supported = _INSTALLERS[name]
     try:
-        from ztriton.integrations.deepspeed.install import install
-
-        install()
-    except Exception as exc:  # a DeepSpeed whose internals moved: say so, do not break `import deepspeed`
+        importlib.import_module(module).install()
+    except Exception as exc:  # internals that moved: say so, do not break the user's import
         _logging.getLogger("ztriton").error(
-            "ztriton could not hook DeepSpeed (%s: %s); \"partition_backend\": \"triton\" will have no effect. "
-            "ztriton supports deepspeed==0.19.8", type(exc).__name__, exc)
+            "ztriton could not hook %s (%s: %s); \"partition_backend\": \"triton\" will have no effect there. "
+            "ztriton supports %s", library, type(exc).__name__, exc, supported)
 
 
-if "deepspeed" in _sys.modules:
-    _install_deepspeed_hooks()
-elif not any(isinstance(f, _InstallWhenDeepSpeedLoads) for f in _sys.meta_path):
-    _sys.meta_path.insert(0, _InstallWhenDeepSpeedLoads())
+for _name in _INSTALLERS:
+    if _name in _sys.modules:
+        _install_hooks(_name)
+    elif not any(isinstance(f, _InstallOnImport) and f.name == _name for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _InstallOnImport(_name))
