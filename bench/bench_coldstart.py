@@ -1,0 +1,156 @@
+"""What a user's run pays end to end: each step in a fresh process, Triton cache empty ("cold") and then
+filled by the previous process ("warm"), key off vs on.
+
+    python bench/bench_coldstart.py [--world 8 --rank 3] [--out bench/results/coldstart_h200.json]
+    python bench/bench_coldstart.py --smoke      # tiny mix on the CPU (kernels under the interpreter)
+
+Cells (the 8.6 GiB LLM mix of ``bench.models.llm_mix``, bf16, simulated rank ``--rank`` of ``--world``):
+
+* ``zero2``: the model built on the device (not timed), then ZeRO-2 ``deepspeed.initialize`` with
+  ``round_robin_gradients`` (timed): DeepSpeed's ``torch.cat`` flatten against ``ztriton.flatten_groups``.
+* ``zero3``: the model built under ``zero.Init`` (timed: "build"), then ZeRO-3 ``deepspeed.initialize``
+  (timed: "initialize"; its ``lp_param_buffer`` is DeepSpeed's host round trip against ``ztriton.defragment``).
+
+Every cell is its own process (``python bench/bench_coldstart.py --cell STEP BACKEND``): the seconds of each
+step as the user's script sees them (first call, compile or cache load included), the process's import
+seconds, and its whole wall time. Cold: ``TRITON_CACHE_DIR`` is a new empty folder; warm: the folder the
+cold process of the same step and backend just filled. Ratios key on / key off are from the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STARTED = time.perf_counter()
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _config(backend: str, stage: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 2:
+        zero["round_robin_gradients"] = True
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": zero, "bf16": {"enabled": True}}
+    if backend == "triton":
+        config["partition_backend"] = "triton"
+    return config
+
+
+def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import ztriton  # noqa: F401
+    import deepspeed
+    from bench.models import LLMMix, llm_mix
+    from ztriton.testing import simulated_world
+
+    imported = time.perf_counter() - STARTED
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    shapes = [[64, 64]] * 6 + [[64]] * 12 + [[1000, 8]] * 2 if smoke else llm_mix()
+    layers = 2 if smoke else 50
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        return out, time.perf_counter() - start
+
+    out = {"step": step, "backend": backend, "import_seconds": imported}
+    with simulated_world(world, rank):
+        if step == "zero2":
+            model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
+                model=model, optimizer=optimizer, config=_config(backend, 2)))
+        else:
+            config = _config(backend, 3)
+
+            def build():
+                with deepspeed.zero.Init(config_dict_or_path=config):
+                    return LLMMix(shapes, layers)
+
+            model, out["build_seconds"] = timed(build)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config))
+    out["process_seconds"] = time.perf_counter() - STARTED
+    return out
+
+
+def _child(step: str, backend: str, cache: str, args) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, __file__, "--cell", step, backend, "--world", str(args.world), "--rank", str(args.rank)]
+    if args.smoke:
+        cmd.append("--smoke")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - start
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:], "wall_seconds": wall}
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_seconds"] = wall
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cell", nargs=2, metavar=("STEP", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.cell:
+        print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke)), flush=True)
+        return 0
+
+    cells: dict[str, dict] = {}
+    for step in ("zero2", "zero3"):
+        for backend in ("torch", "triton"):
+            cache = tempfile.mkdtemp(prefix=f"triton_cache_{step}_{backend}_")
+            for temperature in ("cold", "warm"):
+                key = f"{step}/{backend}/{temperature}"
+                result = cells[key] = _child(step, backend, cache, args)
+                if "error" in result:
+                    print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
+                else:
+                    steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
+                                      if k.endswith("_seconds") and k not in ("wall_seconds",))
+                    print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
+    ratios = {}
+    for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
+        for temperature in ("cold", "warm"):
+            off, on = cells.get(f"{step}/torch/{temperature}", {}), cells.get(f"{step}/triton/{temperature}", {})
+            if "error" in off or "error" in on:
+                continue
+            total_off = sum(off[f] for f in fields)
+            total_on = sum(on[f] for f in fields)
+            ratios[f"{step}/{temperature}"] = {"key_off_seconds": total_off, "key_on_seconds": total_on,
+                                               "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off}
+    print(json.dumps(ratios, indent=1), flush=True)
+    from bench.harness import write_result
+
+    out = args.out or (ROOT / "bench" / "results" / ("coldstart_smoke.json" if args.smoke else "coldstart.json"))
+    print(f"[coldstart] wrote {write_result(out.stem, {'world': args.world, 'rank': args.rank, 'cells': cells, 'ratios': ratios}, out.parent)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
