@@ -9,10 +9,11 @@ a simulated world (torch's fake process group: this process plays one rank, coll
     expert tensor (``nn.Parameter(torch.empty(E, out, in))`` + ``nn.init.normal_``; 4 and 20 GiB of
     bf16) beside two small Linear layers, at W = 8 as rank 0 and 7 (ranks 0 only above 8 GiB), and with
     ``offload_param: cpu`` for the smallest size. Key off, DeepSpeed creates the full tensor on the
-    device in fp32 and converts it; key on, a tensor of ``host_init_bytes`` or more is created in host
-    memory (bf16) and only this rank's shard reaches the device. Its values then come from the CPU RNG,
-    so they differ from key off **by design** and are not compared; the layout and the small layers'
-    partitions (created on the device in both) are.
+    device in fp32 and converts it; key on, a tensor of ``host_init_bytes`` or more is a placeholder
+    (exact sharded init): each rank replays the recorded ``normal_`` on its own slice, on the device.
+    Every partition (experts included) must be bit-identical to key off's and the device generator must
+    end in the same state (on a fake world key off is defined on every rank: its broadcast moves nothing,
+    so rank r keeps slice r of the tensor it generated from the same seed).
 (b) ZeRO-2 ``deepspeed.initialize`` of the 8.6 GiB LLM mix (``bench_kernels.llm_mix``, on the device,
     SGD, bf16) at W = 8: the optimizer's init-time flatten (DeepSpeed's ``torch.cat`` against
     ``ztriton.flatten_groups``). The flat buffers are compared bit for bit, pads included.
@@ -36,6 +37,7 @@ import argparse
 import functools
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -67,7 +69,7 @@ STARTED = time.perf_counter()
 SMOKE_MIX = [[64, 64]] * 6 + [[64]] * 12 + [[1000, 8]] * 2  # bench_flatten's smoke group
 MIX_LAYERS, SMOKE_LAYERS = 50, 3
 BIG_GIB = 8  # (a) sizes above this run as the first --ranks rank only, and after (b) and (c)
-# Smoke-size host_init_bytes (key on), so that the host path runs: ztriton compares a request's size in
+# Smoke-size host_init_bytes (key on), so that the placeholders (exact sharded init) are used: ztriton compares a request's size in
 # zero.Init's dtype (bf16) with it. (a): the [4, 8, 16] experts (1,024 B), not the small layers;
 # (c): the two [1000, 8] tensors (16,000 B), not the [64, 64] ones (8,192 B).
 SMOKE_A_HOST, SMOKE_C_HOST = 1024, 10000
@@ -88,6 +90,12 @@ def ds_config(backend: str, stage: int, offload: bool = False, host_init_bytes: 
         if host_init_bytes is not None:
             config["ztriton"] = {"host_init_bytes": host_init_bytes}
     return config
+
+
+def _sharded_count(lines: list[str]) -> int:
+    """Params initialised shard by shard (exact sharded init), from zero.Init's DEBUG lines."""
+    return sum(len(re.findall(r"(?:shard by shard \(|, )\w+\.\w+ \(", line)) for line in lines
+               if "initialised shard by shard" in line)
 
 
 def _figures(secs: float, peak: int, unit_bytes: int, unit: str) -> dict:
@@ -131,14 +139,17 @@ def zero_init_once(shape, hidden, world, rank, backend, offload, host_init_bytes
         "partition_and_exit_seconds": secs - (model.construct_done - marks["start"]),
         "experts_partition_device": str(experts.ds_tensor.device),
         "experts_partition_dtype": str(experts.ds_tensor.dtype),
-        "host_created_tensors": getattr(marks["init"], "_ztriton_host_created", 0),
+        "sharded_params": _sharded_count(lines),
+        "fallback_lines": sum("cannot be recorded" in line for line in lines),
     })
     _ztriton_lines(lines, backend, entry)
     compared = {
         "layout": [(n, tuple(p.ds_shape), p.ds_numel, p.ds_tensor.numel(), str(p.ds_tensor.dtype))
                    for n, p in model.named_parameters()],
-        "small": {n: bits(p.ds_tensor)[:zero3_slice(p.ds_numel, world).valid_numel(rank)].cpu().clone()
-                  for n, p in model.named_parameters() if n != "experts"},
+        # kept on the device: the experts' shard is GiBs, and a compare there costs milliseconds
+        "values": {n: bits(p.ds_tensor)[:zero3_slice(p.ds_numel, world).valid_numel(rank)].clone()
+                   for n, p in model.named_parameters()},
+        "rng": torch.cuda.get_rng_state() if CUDA else torch.get_rng_state(),
     }
     del model, experts, marks
     release()
@@ -160,15 +171,20 @@ def case_zero_init(gib: float, world: int, rank: int, offload: bool, host_init_b
             row = out[backend]
             log(f"    {row['seconds']:.3f} s (construct {row['construct_seconds']:.3f} s), peak "
                 f"{row['peak_gib']:.2f} GiB = {row['peak_over_shard']:.2f}x shard, experts partition on "
-                f"{row['experts_partition_device']}, {row['host_created_tensors']} tensor(s) created on the host")
+                f"{row['experts_partition_device']}, {row['sharded_params']} param(s) initialised shard by shard, "
+                f"{row['fallback_lines']} fallback(s)")
     off, on = compared["torch"], compared["triton"]
     out["check"] = {
         "layout_identical": off["layout"] == on["layout"],
-        "small_layers_identical": all(torch.equal(off["small"][n], on["small"][n]) for n in off["small"]),
-        "experts_values": "not compared: key on creates the experts tensor in host memory and nn.init.normal_ "
-                          "draws from the CPU RNG there, key off from the device's: different values by design",
+        "values_identical": off["values"].keys() == on["values"].keys() and all(
+            torch.equal(off["values"][n], on["values"][n]) for n in off["values"]),
+        "generator_state_identical": torch.equal(off["rng"], on["rng"]),
+        "experts_sharded": out["triton"]["sharded_params"] >= 1 and out["triton"]["fallback_lines"] == 0,
     }
-    out["ok"] = out["check"]["layout_identical"] and out["check"]["small_layers_identical"]
+    del off, on
+    compared.clear()
+    release()
+    out["ok"] = all(out["check"].values())
     _ratios(out)
     return out
 
@@ -260,7 +276,7 @@ def zero3_once(shapes, layers, world, rank, backend, host_init_bytes) -> dict:
         params = list(model.parameters())
         partition_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
         entry["zero_init"] = _figures(secs, peak, partition_bytes, "partition")
-        entry["zero_init"]["host_created_tensors"] = getattr(marks["init"], "_ztriton_host_created", 0)
+        entry["zero_init"]["sharded_params"] = _sharded_count(lines)
         entry["partition_bytes"] = partition_bytes
         optimizer = torch.optim.SGD(params, lr=1e-3)
         sync()
@@ -408,7 +424,7 @@ def table(figures: dict) -> None:
                   + (f"  ztriton at {out['defragment_over_copy_bandwidth']:.2f}x copy bandwidth"
                      if out.get("defragment_over_copy_bandwidth") else ""))
     print("x: peak over this rank's shard (a: the experts tensor's partition), group (b: the flat buffer) or "
-          "partition (c: all of this rank's partitions). (a) key on: expert values come from the CPU RNG (not compared).")
+          "partition (c: all of this rank's partitions). (a): every partition and the generator state compared.")
     if not CUDA:
         print("(CPU smoke: kernels under the Triton interpreter; times say nothing about speed, no device peaks.)")
 
@@ -482,9 +498,10 @@ def main() -> None:
             "Simulated worlds: torch's fake process group; this process plays one rank, collectives move nothing.",
             "Peaks: torch.cuda.max_memory_allocated after reset_peak_memory_stats, above memory_allocated before "
             "the call. Ratios: key on ('partition_backend': 'triton') over key off (no key), same run.",
-            "(a) key on: tensors of host_init_bytes or more are created in host memory and initialised by the CPU "
-            "RNG, so the experts' values differ from key off by design and are not compared; the layout and the "
-            "small layers' partitions are. One repetition per case, after a smoke-sized warm-up.",
+            "(a) key on: tensors of host_init_bytes or more are placeholders and each rank replays their init on "
+            "its own slice (exact sharded init): every partition's valid prefix and the device generator state "
+            "after the Init are compared with key off's, bit for bit. One repetition per case, after a smoke-sized "
+            "warm-up.",
             "(b) the ZeRO-2 flat buffers are compared whole (pads included) on the device, the key-off one kept "
             "as a device copy during the key-on case; every param's values are checked against the fill pattern.",
             "(c) every partition's valid part is checked against the fill pattern and must sit at the same offset "

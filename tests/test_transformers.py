@@ -19,8 +19,9 @@ and re-partitions with a broadcast from rank 0. So:
 * a real gloo world of two processes checks the values on every rank, padding included (odd numels).
 
 The Mixtral case has fused 3-D expert params, the largest tensors of the model (checked), and sets
-``"ztriton": {"host_init_bytes": <the smallest expert param>}`` so that exactly the expert params take the
-host-creation path of the key; that is asserted from the DEBUG lines of logger ``"ztriton"``.
+``"ztriton": {"host_init_bytes": <the smallest expert param>}`` so that exactly the expert params are
+placeholders of the key's exact sharded init (each rank replays its own slice; under ``no_init_weights``
+nothing is drawn); that is asserted from the DEBUG lines of logger ``"ztriton"``.
 
 The Zamba case: an fp32 param built inside a bf16 ``zero.Init`` (Zamba's ``A_log``) ends up bf16 with
 DeepSpeed's own partitioning; the key must do the same (it once failed there: a pack from fp32 into bf16).
@@ -28,7 +29,7 @@ DeepSpeed's own partitioning; the key must do the same (it once failed there: a 
 Values that ztriton writes at ``zero.Init`` time are never observable here (transformers overwrites every
 partition from the checkpoint); what these tests see is where ztriton put the partitions (offsets and aliasing
 in its per-rank buffers, attributes, dtype), that DeepSpeed's gather and re-partition work on them, and
-which params took the host-creation path.
+which params were initialised shard by shard.
 """
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ MODELS = {"llama": (LlamaConfig, LLAMA), "mixtral": (MixtralConfig, MIXTRAL), "z
 
 # Fused expert params of transformers >= 5 (``model.layers.N.mlp.experts.gate_up_proj`` / ``down_proj``).
 EXPERT_PARAM = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
-# The DEBUG line of one tensor created in host memory (the INFO line of the Init says "are created in host memory").
-HOSTED = re.compile(r"^ztriton: (?P<constructor>\w+) of .* created in host memory \(>= ")
+# The DEBUG line listing the placeholder params of one module initialised shard by shard (exact sharded init):
+# "... initialised shard by shard (MixtralExperts.gate_up_proj (3, 26, 15) torch.bfloat16 on cpu (made at ...), ...)".
+SHARDED = re.compile(r"^ztriton zero\.Init: \d+ param\(s\) initialised shard by shard \(")
+SHARDED_PARAM = re.compile(r"(?:shard \(|, )(?P<module>\w+)\.(?P<param>\w+) \(")
 
 
 def ds_config(backend: str, host_init_bytes: int | None = None) -> dict[str, Any]:
@@ -289,8 +292,10 @@ def check_values(off: dict[str, Loaded], on: dict[str, Loaded], checkpoint: Chec
             assert torch.equal(bits(on[name].full), want), (name, rank, "key on, gathered")
 
 
-def hosted_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "ztriton" and HOSTED.match(r.getMessage())]
+def sharded_params(caplog) -> list[tuple[str, str]]:
+    """(module class, param name) of every placeholder param initialised shard by shard."""
+    return [m.groups() for r in caplog.records if r.name == "ztriton" and SHARDED.match(r.getMessage())
+            for m in SHARDED_PARAM.finditer(r.getMessage())]
 
 
 # ---------------------------------------------------------------------------------------------- simulated ranks
@@ -318,7 +323,7 @@ def test_llama_from_pretrained_key_on_matches_key_off_and_checkpoint(checkpoints
 
 
 @pytest.mark.parametrize("world_size, ranks", [(1, (0,)), (3, (0, 2))])
-def test_mixtral_from_pretrained_creates_experts_in_host_memory_and_loads_the_same(checkpoints, fake_world, caplog,
+def test_mixtral_from_pretrained_shards_the_experts_init_and_loads_the_same(checkpoints, fake_world, caplog,
                                                                                    world_size, ranks):
     checkpoint = checkpoints["mixtral"]
     threshold = expert_threshold(checkpoint.params)
@@ -329,12 +334,14 @@ def test_mixtral_from_pretrained_creates_experts_in_host_memory_and_loads_the_sa
             with fake_world(world_size, rank), caplog.at_level(logging.DEBUG, logger="ztriton"):
                 caplog.clear()
                 loaded[backend] = load(checkpoint.path, backend, host_init_bytes=threshold)
-            hosted = hosted_lines(caplog)
-            if backend == "triton":  # every expert param, and nothing else, was created in host memory
-                assert len(hosted) == len(experts) == 2 * MIXTRAL["num_hidden_layers"], hosted
-                assert all(line.startswith("ztriton: empty of") for line in hosted), hosted
+            sharded = sharded_params(caplog)
+            fallbacks = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]
+            if backend == "triton":  # every expert param, and nothing else, was a placeholder; none fell back
+                assert len(sharded) == len(experts) == 2 * MIXTRAL["num_hidden_layers"], sharded
+                assert sorted(p for _, p in sharded) == sorted(n.rsplit(".", 1)[1] for n in experts), sharded
+                assert not fallbacks, fallbacks
             else:
-                assert not hosted
+                assert not sharded
         check_attributes(loaded["torch"], loaded["triton"], checkpoint, world_size)
         if rank == 0:
             check_values(loaded["torch"], loaded["triton"], checkpoint, world_size, rank)

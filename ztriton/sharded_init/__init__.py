@@ -18,7 +18,7 @@ Modules: :mod:`.philox` (CUDA counter arithmetic), :mod:`.rng` (generator states
 a placeholder remembers), :mod:`.recorder` (placeholders and the recording modes), :mod:`.replay`.
 """
 from ztriton.sharded_init.record import Record
-from ztriton.sharded_init.recorder import Recorder, active_recorder, placeholder
+from ztriton.sharded_init.recorder import Recorder, active_recorder, placeholder, prepare
 from ztriton.sharded_init.replay import agree, materialise, replay
 
-__all__ = ["Record", "Recorder", "active_recorder", "agree", "materialise", "placeholder", "replay"]
+__all__ = ["Record", "Recorder", "active_recorder", "agree", "materialise", "placeholder", "prepare", "replay"]

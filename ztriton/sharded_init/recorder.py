@@ -40,7 +40,7 @@ from ztriton.sharded_init.record import Record, empty
 
 logger = logging.getLogger("ztriton")
 
-__all__ = ["Recorder", "active_recorder", "placeholder"]
+__all__ = ["Recorder", "active_recorder", "placeholder", "prepare"]
 
 aten = torch.ops.aten
 
@@ -84,6 +84,13 @@ def placeholder(shape, dtype: torch.dtype | None = None, device: torch.device | 
     if recorder is None:
         raise RuntimeError("sharded_init.placeholder needs an active Recorder: create it inside `with Recorder():`")
     return recorder.placeholder(shape, dtype, device)
+
+
+def prepare() -> None:
+    """Probe, once, what the recorder needs to know of this torch (how ``trunc_normal_`` draws). Call it
+    before patching torch's constructors: the probe's first ``trunc_normal_`` imports torch._dynamo, which
+    fails while ``torch.Tensor.__new__`` is replaced (as ``zero.Init`` replaces it)."""
+    _trunc_normal_is_pointwise()
 
 
 def _origin() -> str:
@@ -498,6 +505,7 @@ def _trunc_normal_is_pointwise() -> bool:
                 return func(*args, **(kwargs or {}))
 
         with Watch():
-            nn_init._no_grad_trunc_normal_(torch.empty(8), 0.0, 1.0, -2.0, 2.0, generator=torch.Generator())
+            nn_init._no_grad_trunc_normal_(empty((8,), torch.float32, torch.device("cpu")), 0.0, 1.0, -2.0, 2.0,
+                                           generator=torch.Generator())
         _POINTWISE_TRUNC_NORMAL.append(seen <= (RANDOM | POINTWISE))
     return _POINTWISE_TRUNC_NORMAL[0]
