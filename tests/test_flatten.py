@@ -83,17 +83,17 @@ class _Spy:
 
     @contextlib.contextmanager
     def active(self):
-        evict, free = F._evict, F._free_params
+        evict, point_at = F._evict, F._point_at
 
         def spy_evict(g, positions, *args):
             self.evicted += len(positions)
             return evict(g, positions, *args)
 
-        def spy_free(g):
+        def spy_free(g, *args, **kwargs):  # the params leave the device: pointed at a host copy
             self.freed += 1
-            return free(g)
+            return point_at(g, *args, **kwargs)
 
-        with mock.patch.object(F, "_evict", spy_evict), mock.patch.object(F, "_free_params", spy_free):
+        with mock.patch.object(F, "_evict", spy_evict), mock.patch.object(F, "_point_at", spy_free):
             yield self
 
 
@@ -353,31 +353,33 @@ def test_params_alias_the_buffer_both_ways():
     assert torch.equal(params[0].grad, torch.full((2, 3), 2.0)) and fg.flat.grad is None
 
 
-def test_evicted_params_copy_in_chunks(monkeypatch):
-    """Host-to-device copies of evicted params go chunk by chunk (chunks far smaller than the params here)."""
-    monkeypatch.setattr(policy, "MIN_CHUNK_BYTES", 1)
-    params = [torch.nn.Parameter(bits_tensor((37,), torch.float16, 2, i)) for i in range(4)]
-    values = [p.detach().clone() for p in params]
-    copies = []
-    real = F._copy_in_chunks
+def test_evicted_params_copy_through_the_staging_ring(monkeypatch):
+    """Evict and host tiers: params go to pageable host memory and back through the shared staging ring,
+    chunk_bytes at a time; a repeated call allocates no staging buffer (the ring's are reused)."""
+    from ztriton import staging
 
-    def spy(flat, offset, src, chunk):
-        copies.append((src.numel(), chunk))
-        return real(flat, offset, src, chunk)
+    copies, allocations = [], []
+    real = staging.copy_staged
 
-    monkeypatch.setattr(F, "_copy_in_chunks", spy)
-    with _memory(0):
-        (fg,) = ztriton.flatten_groups([params], tier="evict", headroom_bytes=0, chunk_bytes=10)
-    assert copies == [(37, 5)] * 4  # everything evicted (no room at all), 10 bytes = 5 fp16 per copy
-    layout = zero12_group_layout([37] * 4, 1, element_size=2)
-    assert torch.equal(bits(fg.flat), bits(_expected_flat(values, layout, torch.float16)))
+    def spy(dst, src, chunk_bytes=None):
+        copies.append((src.numel() * src.element_size(), chunk_bytes))
+        return real(dst, src, chunk_bytes)
 
-
-def test_copy_in_chunks_unit():
-    src = torch.arange(10, dtype=torch.int32)
-    flat = torch.full((16,), -1, dtype=torch.int32)
-    F._copy_in_chunks(flat, 3, src, 4)
-    assert flat.tolist() == [-1] * 3 + list(range(10)) + [-1] * 3
+    monkeypatch.setattr(staging, "copy_staged", spy)
+    monkeypatch.setattr(memory, "fault_hook", allocations.append)
+    for tier in ["evict", "host", "evict", "host"]:
+        params = [torch.nn.Parameter(bits_tensor((37,), torch.float16, 2, i)) for i in range(4)]
+        values = [p.detach().clone() for p in params]
+        copies.clear()
+        allocations.clear()
+        with _memory(0):
+            (fg,) = ztriton.flatten_groups([params], tier=tier, headroom_bytes=0, chunk_bytes=1 << 20)
+        layout = zero12_group_layout([37] * 4, 1, element_size=2)
+        assert torch.equal(bits(fg.flat), bits(_expected_flat(values, layout, torch.float16)))
+        assert all(chunk == 1 << 20 for _, chunk in copies) and len(copies) >= 4
+        assert all(not p.is_pinned() for p in params)
+        assert "staging buffer" not in allocations  # the first test to use the ring allocated it, not this call
+    assert not any(ring.lent for ring in [staging._shared] if ring is not None)
 
 
 def test_torch_path_used_without_interpreter(caplog):
@@ -548,7 +550,7 @@ def test_param_in_two_groups_rejected():
 def test_tied_views_rejected():
     base = torch.ones(10)
     a, b = torch.nn.Parameter(base[0:6]), torch.nn.Parameter(base[4:10])
-    with pytest.raises(ValueError, match=r"share memory \(tied weights, or views of one tensor\).*untie"):
+    with pytest.raises(ValueError, match=r"share memory \(tied weights, or overlapping views\).*untie"):
         ztriton.flatten_groups([[a, _p(1), b]])
     # a view inside a long one is caught even when a third range starts in between
     c, d, e = (torch.nn.Parameter(base[0:10]), torch.nn.Parameter(base[2:3]), torch.nn.Parameter(base[5:6]))
@@ -742,14 +744,113 @@ def test_peak_memory_per_tier_gpu(tier, world_size, expected):
     assert torch.cuda.memory_allocated() - base <= 0.01 * group_bytes  # afterwards: the buffer replaced the params
 
 
-def test_distributed_recovery_failure_is_not_an_oom():
-    """Params freed, no flat buffer, no host copy either: a RuntimeError says the values are lost (no
-    fall-through to a tier that would read the freed params)."""
-    fail = lambda what, n: what in ("flat buffer", "host flat buffer")  # noqa: E731
+def test_distributed_host_copy_failure_keeps_the_params_on_the_device():
+    """No room beside the params and no host copy: the params are never moved off the device (the branch
+    makes the host copy first); with every host copy and flat buffer failing, every tier fails with the
+    params untouched where they were."""
+    fail = lambda what, n: what in ("flat buffer", "host copy of the params", "evicted params")  # noqa: E731
     with _world(2, 0), _memory(0), _failing_allocations(fail):
         model = _fixed_model()()
         groups = groups_of(model, FIXED_SIZES)
-        with pytest.raises(RuntimeError, match=r"values now exist only in the ranks' partitions") as info:
+        before = _snapshot(groups)
+        with pytest.raises(torch.OutOfMemoryError, match=r"every tier ran out of memory.*all are on cpu as before"):
             ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True, tier="distributed",
                                    headroom_bytes=0)
-    assert not isinstance(info.value, torch.OutOfMemoryError)
+    for snap in before:
+        for param, values, ptr, shape in snap:
+            assert torch.equal(bits(param), values) and param.data_ptr() == ptr and param.shape == shape
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("injected"), RuntimeError("NCCL error (injected)")])
+def test_distributed_gather_failure_keeps_values(error):
+    """Issue 16's minimal case: fake W = 2, rank 0, the probe reporting 0 free (the branch that moves the
+    params off the device), and the all-gather raising: the params come back intact (evict tier)."""
+    reference = _fixed_reference(2)
+    with fake_world(2, 0), _memory(0), mock.patch.object(F, "all_gather_bytes", side_effect=error):
+        model = _fixed_model()()
+        groups = groups_of(model, FIXED_SIZES)
+        before = _snapshot(groups)
+        result = ztriton.flatten_groups(groups, round_robin=True, parameter_alignment=True, tier="distributed",
+                                        headroom_bytes=0)
+    assert [fg.tier for fg in result] == [Tier.EVICT, Tier.EVICT]
+    _check_against_reference(result, reference, before, 2, 0, Tier.EVICT, whole=True)
+
+
+def test_minimal_gather_failure_case():
+    """The issue's exact repro: P(7), P(2, 3), all-gather raising; values intact, no shape (0,) left."""
+    a, b = _p(7), _p(2, 3)
+    va, vb = a.detach().clone(), b.detach().clone()
+    with fake_world(2, 0), _memory(0), mock.patch.object(F, "all_gather_bytes", side_effect=RuntimeError("boom")):
+        (fg,) = ztriton.flatten_groups([[a, b]], tier="distributed", headroom_bytes=0)
+    assert fg.tier is Tier.EVICT and a.shape == (7,) and b.shape == (2, 3)
+    assert torch.equal(bits(a), bits(va)) and torch.equal(bits(b), bits(vb))
+
+
+def test_interleaved_disjoint_views_flatten_like_deepspeed():
+    """fused[:, :4] and fused[:, 4:] as params: elements interleaved in memory but disjoint. DeepSpeed
+    flattens them (its own flatten, ztriton.testing.deepspeed_flatten); so do we, bit for bit."""
+    from ztriton.testing import deepspeed_flatten
+
+    fused = bits_tensor((6, 10), torch.bfloat16, 11)
+    params = [torch.nn.Parameter(fused[:, :4]), torch.nn.Parameter(fused[:, 4:]), torch.nn.Parameter(fused.t()[2:5, 1:3])]
+    for p in params[2:]:
+        p.requires_grad_(False)  # overlaps both: frozen, so it does not take part
+    views = [params[0].detach(), params[1].detach()]
+    (fg,) = ztriton.flatten_groups([params])
+    expected = deepspeed_flatten(views, fg.paddings, 2)  # DeepSpeed's flatten of the very same views
+    assert torch.equal(bits(fg.flat), bits(expected))
+
+
+def test_interleaved_overlapping_views_rejected():
+    fused = torch.zeros(6, 10)
+    a, b = torch.nn.Parameter(fused[:, :5]), torch.nn.Parameter(fused[:, 4:])
+    with pytest.raises(ValueError, match=r"params\[0\] and param_groups\[0\] params\[1\] share memory"):
+        ztriton.flatten_groups([[a, b]])
+    c = torch.nn.Parameter(fused.t()[3:5])  # transposed: rows 3-4 of fused.t() are columns 3-4 of fused
+    with pytest.raises(ValueError, match="share memory"):
+        ztriton.flatten_groups([[fused_view] for fused_view in (torch.nn.Parameter(fused[:, :4]), c)])
+    assert ztriton.flatten_groups([[torch.nn.Parameter(fused[:, :3])], [c]])[1].flat.numel() >= 12
+
+
+def test_a_late_group_refused_by_the_kernels_moves_no_earlier_group():
+    """Group 1 holds a param the kernels refuse (10-D strided): refused before group 0 is re-pointed."""
+    p0 = _p(5)
+    ptr = p0.data_ptr()
+    odd = torch.nn.Parameter(torch.zeros([2] * 10).permute(*reversed(range(10))))  # 10 unmergeable dims
+    with pytest.raises((TypeError, ValueError), match=r"param_groups\[1\] params\[0\]"):
+        ztriton.flatten_groups([[p0], [odd]])
+    assert p0.data_ptr() == ptr
+
+
+def test_flattening_twice_builds_a_new_buffer_and_frees_the_old():
+    """Repeats are well defined: the second call flattens the params (views of the first buffer) into a
+    new buffer; once the first result is dropped, nothing references the old buffer."""
+    import weakref
+
+    params = [_p(3, 2), _p(5)]
+    values = [bits(p).clone() for p in params]
+    first = ztriton.flatten_groups([params])
+    old = weakref.ref(first[0].flat)
+    second = ztriton.flatten_groups([params])
+    del first
+    assert old() is None
+    assert second[0].flat.data_ptr() == params[0].data_ptr()
+    assert all(torch.equal(bits(p), v) for p, v in zip(params, values))
+
+
+def _different_values_on_gloo_rank(rank, world_size):
+    """Each rank holds its own values: the distributed tier steps aside; every rank keeps its own."""
+    params = [torch.nn.Parameter(bits_tensor((7,), torch.float32, 100 + rank, i)) for i in range(3)]
+    own = [bits(p).clone() for p in params]
+    with _memory(1 << 30):
+        (fg,) = ztriton.flatten_groups([params], tier="distributed", headroom_bytes=0)
+    assert fg.tier is Tier.EVICT
+    assert all(torch.equal(bits(p), v) for p, v in zip(params, own))
+    same = [torch.nn.Parameter(bits_tensor((7,), torch.float32, 5, i)) for i in range(3)]
+    with _memory(1 << 30):
+        (fg,) = ztriton.flatten_groups([same], tier="distributed", headroom_bytes=0)
+    return fg.tier.value
+
+
+def test_ranks_with_different_values_keep_their_own(gloo_world):
+    assert gloo_world(_different_values_on_gloo_rank, 2, timeout=60) == ["distributed"] * 2

@@ -6,12 +6,22 @@ local. On torch's fake process group (the tests' simulated ranks) they return wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "all_gather_bytes", "all_ranks", "min_over_ranks", "world_of"]
+__all__ = ["Agreed", "World", "agree", "all_gather_bytes", "all_ranks", "min_over_ranks", "same_on_all_ranks",
+           "world_of"]
+
+# Fault injection for the tests (``tests/test_faults.py``): when set, called with the collective's name
+# before every collective of this module; raising makes that collective fail on this rank.
+fault_hook: Callable[[str], None] | None = None
+
+
+def _before_collective(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ def min_over_ranks(values: list[int], world: World) -> list[int]:
     (free memory, a chunk size) agree on one decision and so take the same branch."""
     if world.size == 1:
         return list(values)
+    _before_collective("all_reduce")
     t = torch.tensor(values, dtype=torch.int64, device=world.comm_device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.group)
     return [int(v) for v in t.tolist()]
@@ -77,7 +88,53 @@ def all_ranks(ok: bool, world: World) -> bool:
     return bool(min_over_ranks([int(ok)], world)[0])
 
 
+def same_on_all_ranks(values: list[int], world: World) -> bool:
+    """Whether every rank holds the same ``values`` (a collective: one all-reduce of the values and
+    their negations; ints within int64)."""
+    low = min_over_ranks(list(values) + [-v for v in values], world)
+    return low[:len(values)] == [-v for v in low[len(values):]]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The outcome of one step all ranks took together (:func:`agree`).
+
+    ``ok``: the step succeeded on every rank. ``value``: this rank's result (None if it raised).
+    ``error``: this rank's exception (None if it succeeded here, even when another rank failed).
+    """
+
+    ok: bool
+    value: Any = None
+    error: Exception | None = None
+
+    def describe(self) -> str:
+        """For an error message: this rank's failure, or that another rank failed."""
+        if self.error is not None:
+            return f"{type(self.error).__name__}: {self.error}"
+        return "it failed on another rank" if not self.ok else "ok"
+
+
+def agree(world: World, step: Callable[[], Any]) -> Agreed:
+    """Run ``step`` here, then agree with every rank on whether it succeeded everywhere.
+
+    Whatever ``step`` raises (any ``Exception``: an out-of-memory error, the CPU allocator's
+    RuntimeError, a collective's failure) is caught, so this rank still takes part in the agreement
+    and no other rank waits for it forever; all ranks then take the same branch. The caller decides
+    what a failure means. If the agreement itself fails it counts as a failure here (``ok`` False).
+    """
+    try:
+        value, error = step(), None
+    except Exception as exc:  # noqa: BLE001 -- every failure must reach the agreement below
+        value, error = None, exc
+    try:
+        ok = all_ranks(error is None, world)
+    except Exception as exc:  # noqa: BLE001 -- a broken collective: nothing else can be agreed
+        return Agreed(False, None, error or exc)
+    return Agreed(ok, value if ok else None, error)
+
+
 def all_gather_bytes(out: torch.Tensor, part: torch.Tensor, world: World) -> None:
     """Every rank's ``part`` end to end into ``out``, as bytes (any dtype, any backend that moves uint8)."""
+    _before_collective("all_gather")
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out.view(torch.uint8), part.view(torch.uint8), group=world.group)

@@ -10,8 +10,12 @@ same contract and result, bit for bit, but:
   ``ztriton.partition`` builds for a module whose params all go to one optimizer sub-group);
 * otherwise packs them device to device with one kernel launch into a new buffer (the **device**
   tier), when free memory holds that buffer beside the partitions;
-* otherwise (**evict**) moves just enough whole allocations to pinned host memory to make room, and
-  packs the rest device to device: one pinned round trip for only what must move.
+* otherwise (**evict**) moves just enough whole allocations to host memory to make room, and
+  packs the rest device to device: one round trip, through the pinned staging ring, for only what must move.
+
+Every input is checked before anything moves. A tensor's ``.data`` changes only once a complete copy
+of it exists elsewhere; if the flat buffer cannot be had even so, the evicted tensors are moved back
+to the device as far as memory allows (the error says where they are).
 
 Nothing here knows DeepSpeed; ``ztriton.integrations.deepspeed.optimizers`` routes DeepSpeed's call here.
 """
@@ -22,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from ztriton import memory, policy
+from ztriton import memory, policy, staging
 from ztriton.kernels import Piece, pack_slices, torch_run
 from ztriton.memory import alias, format_bytes, host_empty, kernels_run_on, synchronize, try_empty
 from ztriton.policy import Options, Tier
@@ -41,8 +45,7 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     ``torch.OutOfMemoryError`` if even the evict tier cannot allocate the buffer; every tensor then
     still holds its values (in pinned host memory for the evicted ones, as the message says).
     """
-    tensors = list(tensors)
-    _check(tensors)
+    tensors = _check(tensors)
     forced = policy.parse_tier(tier, allowed=(Tier.DEVICE, Tier.EVICT))
     headroom = Options.of(headroom_bytes=headroom_bytes).headroom_bytes
     if not tensors:
@@ -70,7 +73,11 @@ def defragment(tensors: Sequence[torch.Tensor], *, headroom_bytes: int | None = 
     if decision.tier is Tier.DEVICE:
         flat = try_empty(total, dtype, device, "flat buffer")
         if flat is not None:
-            _copy_into(flat, tensors)
+            try:
+                _copy_into(flat, tensors)
+            except torch.OutOfMemoryError:  # the kernels' tables: nothing moved, evict as below
+                flat = None
+        if flat is not None:
             _repoint(flat, tensors)
             return flat
         logger.warning("ztriton defragment: the flat buffer (%s) did not fit on %s after all; evicting every "
@@ -95,13 +102,28 @@ def is_packed(tensors: Sequence[torch.Tensor]) -> bool:
     return expected * tensors[0].element_size() == storage.nbytes()
 
 
-def _check(tensors: list[torch.Tensor]) -> None:
+def _check(tensors: object) -> list[torch.Tensor]:
+    """Every check of the inputs, before anything moves; returns them as a list."""
+    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__") or isinstance(tensors, (str, bytes, dict)):
+        raise TypeError(f"tensors must be a list of 1-D tensors (the ZeRO-3 partitions), got {type(tensors).__name__}; "
+                        "for one tensor pass [tensor]")
+    tensors = list(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided:
+            raise TypeError(f"tensors[{i}] has layout {t.layout}; defragment takes dense tensors")
+        if t.dim() != 1:
+            raise ValueError(f"tensors[{i}] is {t.dim()}-D (shape {tuple(t.shape)}); defragment takes 1-D tensors "
+                             "(the ZeRO-3 partitions), as DeepSpeed's defragment does: pass t.view(-1)")
+        if t.device.type == "meta":
+            raise ValueError(f"tensors[{i}] is on the meta device and holds no values")
     if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
         kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
         raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
+    for i, t in enumerate(tensors):
+        memory.check_kernels_take(t, f"tensors[{i}]")
+    return tensors
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[tuple[int, list[int]]]:
@@ -147,7 +169,10 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequen
     if local and kernels_run_on(flat.device):
         pack_slices(flat, local)
         local = []
-    torch_run(flat, [Piece(*s) for s in local + [s for s in slices if s[0].device != flat.device]])
+    torch_run(flat, [Piece(*s) for s in local])
+    for src, _, count, offset in slices:
+        if src.device != flat.device:  # evicted: contiguous host buffers, through the pinned staging ring
+            staging.copy_staged(flat.narrow(0, offset, count), src)
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -156,44 +181,78 @@ def _flat_view(t: torch.Tensor) -> torch.Tensor:
 
 def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[int]]], evict: Sequence[int],
                     total: int) -> torch.Tensor:
-    """Move the storages ``evict`` names to pinned host memory, allocate the flat buffer in the room they
-    leave, pack the rest device to device and the evicted ones host to device. If the buffer still does
-    not fit (a storage that also holds partitions not in ``tensors`` is not freed by the move, or the
-    allocator is fragmented), move every remaining partition out too and try once more."""
+    """Move the storages ``evict`` names to host memory, allocate the flat buffer in the room they leave,
+    pack the rest device to device and the evicted ones host to device. If the buffer still does not
+    fit (a storage that also holds partitions not in ``tensors`` is not freed by the move, or the
+    allocator is fragmented), move every remaining partition out too and try once more. On any
+    failure the evicted tensors go back to the device as far as memory allows, and the error says so."""
     dtype, device = tensors[0].dtype, tensors[0].device
-    staged = [_move_to_host(tensors, sorted(i for s in evict for i in storages[s][1]))]
-    flat = try_empty(total, dtype, device, "flat buffer")
-    if flat is None:
-        staged.append(_move_to_host(tensors, [i for i, t in enumerate(tensors) if t.device == device]))
+    home = {i: t.device for i, t in enumerate(tensors)}
+    moved: list[int] = []
+    try:
+        moved += _move_to_host(tensors, sorted(i for s in evict for i in storages[s][1]))
         flat = try_empty(total, dtype, device, "flat buffer")
-    if flat is None:
-        moved = sum(buffer.nbytes for buffer in staged)
-        raise torch.OutOfMemoryError(
-            f"ztriton defragment: cannot allocate the flat buffer ({format_bytes(total * tensors[0].element_size())}) on "
-            f"{device} even after moving {format_bytes(moved)} of partitions to host memory; those partitions now live in "
-            "host memory (their .data is a CPU tensor). Free device memory (or offload params) and retry.")
-    _copy_into(flat, tensors)
-    synchronize(device)  # the pinned host-to-device copies must land before the host buffers go
+        if flat is None:
+            moved += _move_to_host(tensors, [i for i, t in enumerate(tensors) if t.device == device])
+            flat = try_empty(total, dtype, device, "flat buffer")
+        if flat is None:
+            raise torch.OutOfMemoryError(
+                f"ztriton defragment: cannot allocate the flat buffer ({format_bytes(total * tensors[0].element_size())}) "
+                f"on {device} even after moving {len(moved)} partitions to host memory. Free device memory (or "
+                "offload params) and retry.")
+        _copy_into(flat, tensors)
+        synchronize(device)
+    except BaseException as exc:
+        where = _move_back(tensors, moved, home)
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(f"ztriton defragment: every tensor keeps its values; {where}")
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise torch.OutOfMemoryError(f"{exc} Every tensor keeps its values; {where}") from None
+        raise
     _repoint(flat, tensors)
     return flat
 
 
-def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> torch.Tensor:
-    """Copy ``tensors[indices]`` into one (pinned) host buffer and re-point them there, so that their
-    device storages can be freed; returns the host buffer."""
+def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> list[int]:
+    """Copy ``tensors[indices]`` into one pageable host buffer (through the pinned staging ring) and
+    re-point them there once every copy is complete, so that their device storages can be freed;
+    returns the indices moved. A failure before the re-pointing leaves the tensors as they were."""
+    indices = list(indices)
+    if not indices:
+        return []
     device = tensors[0].device
-    staged = host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype, "evicted partitions")
-    at = 0
+    staged = host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype, "evicted partitions", pin=False)
+    at, places = 0, []
     for i in indices:
         n = tensors[i].numel()
-        staged.narrow(0, at, n).copy_(tensors[i].reshape(-1), non_blocking=staged.is_pinned())
+        src = tensors[i].detach()
+        if src.is_contiguous():
+            staging.copy_staged(staged.narrow(0, at, n), src)
+        else:  # a strided 1-D partition: torch's own copy (small; partitions are contiguous in practice)
+            staged.narrow(0, at, n).copy_(src)
+        places.append(at)
         at += n
-    synchronize(device)
-    at = 0
-    for i in indices:
-        n = tensors[i].numel()
-        tensors[i].data = staged.narrow(0, at, n)
-        at += n
+    for i, at in zip(indices, places):
+        tensors[i].data = staged.narrow(0, at, tensors[i].numel())
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return staged
+    return indices
+
+
+def _move_back(tensors: list[torch.Tensor], moved: Sequence[int], home: dict) -> str:
+    """After a failure: the moved tensors back to their device, one by one, as far as memory allows."""
+    left = []
+    for i in moved:
+        if tensors[i].device == home[i]:
+            continue
+        try:
+            back = memory.empty(tensors[i].numel(), tensors[i].dtype, home[i], "partition moved back")
+            back.copy_(tensors[i].detach())
+        except Exception:  # noqa: BLE001 -- out of memory, any class: this one stays in host memory
+            left.append(i)
+            continue
+        tensors[i].data = back
+    if not left:
+        return "all are on their device again (in new allocations)"
+    return (f"{len(left)} of them (tensors {left[:8]}{'...' if len(left) > 8 else ''}) now live in host memory "
+            "(their .data is a CPU tensor; move them back with t.data = t.data.to(device))")

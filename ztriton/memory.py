@@ -18,8 +18,9 @@ logger = logging.getLogger("ztriton")
 MiB = 1 << 20
 GiB = 1 << 30
 
-__all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "empty", "format_bytes", "host_available_bytes",
-           "host_empty", "kernels_run_on", "measure_peak", "probe_memory", "synchronize", "try_empty", "try_host_empty"]
+__all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "check_kernels_take", "empty", "format_bytes",
+           "host_available_bytes", "host_empty", "kernels_run_on", "measure_peak", "probe_memory", "synchronize",
+           "try_empty", "try_host_empty"]
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -150,11 +151,22 @@ class OutOfMemory(torch.OutOfMemoryError):
     buffers alive while it recovers (a flatten tier falls through to the next one)."""
 
 
+# Fault injection for the tests (``tests/test_faults.py``): when set, called with the buffer's name
+# before every allocation made through this module (and the staging ring); raising fails it.
+fault_hook: Callable[[str], None] | None = None
+
+
+def _before_allocation(what: str) -> None:
+    if fault_hook is not None:
+        fault_hook(what)
+
+
 def empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor:
     """``torch.empty``, with the CPU allocator's failure (a plain RuntimeError) raised as an OOM too.
 
     ``what`` names the buffer in the error (and lets tests fail one kind of allocation).
     """
+    _before_allocation(what)
     try:
         return torch.empty(numel, dtype=dtype, device=device)
     except RuntimeError as exc:
@@ -172,9 +184,15 @@ def try_empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: 
         return None
 
 
-def host_empty(numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A host buffer: pinned when there is a GPU (fast, asynchronous copies), pageable if pinning fails."""
-    if torch.cuda.is_available():
+def host_empty(numel: int, dtype: torch.dtype, what: str, *, pin: bool | None = None) -> torch.Tensor:
+    """A host buffer: pinned if ``pin`` (default: when there is a GPU), pageable if pinning fails.
+
+    Large buffers that outlive one copy (params moved out of the device) should be pageable
+    (``pin=False``): pinning costs seconds per GiB and torch rounds pinned blocks up to a power of
+    two; their copies go through the pinned staging ring (:func:`ztriton.staging.copy_staged`).
+    """
+    if torch.cuda.is_available() if pin is None else pin:
+        _before_allocation(what)
         try:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as exc:
@@ -183,9 +201,32 @@ def host_empty(numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
     return empty(numel, dtype, "cpu", what)
 
 
-def try_host_empty(numel: int, dtype: torch.dtype, what: str) -> torch.Tensor | None:
+def try_host_empty(numel: int, dtype: torch.dtype, what: str, *, pin: bool | None = None) -> torch.Tensor | None:
     """:func:`host_empty`, or None where it runs out of memory."""
     try:
-        return host_empty(numel, dtype, what)
+        return host_empty(numel, dtype, what, pin=pin)
     except torch.OutOfMemoryError:
         return None
+
+
+def check_kernels_take(tensor: torch.Tensor, name: str) -> None:
+    """Raise now, naming ``name``, if the copy kernels would refuse ``tensor`` as a source.
+
+    An entry point calls this for every source before anything moves, so that a refusal cannot come
+    after some params were already re-pointed or moved to host memory. Only strided sources can be
+    refused (dense ones are copied as bytes); the kernels' own planning decides, on a one-element
+    copy into a scratch buffer, so that their rules stay in one place.
+    """
+    if tensor.is_contiguous() or tensor.numel() == 0 or not kernels_run_on(tensor.device):
+        return
+    from ztriton.kernels import Piece, make_plan  # kernels import triton: only when a strided source needs it
+
+    scratch = empty(1, tensor.dtype, tensor.device, "kernel check scratch")
+    try:
+        make_plan(scratch, [Piece(tensor, 0, 1, 0)])
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name} cannot be copied by the kernels: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 -- any refusal of the planner, named, before anything moves
+        raise TypeError(f"{name} (dtype {tensor.dtype}, shape {tuple(tensor.shape)}, strides {tensor.stride()}) "
+                        f"cannot be copied by the kernels ({type(exc).__name__}: {exc}); make it contiguous "
+                        "(p.data = p.data.contiguous()) before calling") from None

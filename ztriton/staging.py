@@ -8,7 +8,9 @@ A borrower hands a buffer back with the CUDA event of the last copy that reads i
 borrower waits for that event, so a buffer is never overwritten while a copy is still reading it.
 The memory goes back to the system on :func:`release` or after ``idle_s`` seconds without a loan.
 
-This module knows nothing of what is staged: buffers are flat ``uint8`` tensors.
+This module knows nothing of what is staged: buffers are flat ``uint8`` tensors. :func:`copy_staged`
+is the one copy between a device and (pageable) host memory that goes through them, in chunks, with
+the device side on a copy stream so that one chunk's transfer overlaps the next one's host copy.
 """
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["StagingRing", "ring", "release", "DEFAULT_IDLE_S"]
+from ztriton import memory
+
+__all__ = ["StagingRing", "copy_staged", "ring", "release", "DEFAULT_IDLE_S", "DEFAULT_CHUNK_BYTES"]
+
+# Bytes of one staging buffer for copies between a device and pageable host memory: a power of two
+# (torch rounds pinned blocks up to one), big enough for full copy bandwidth.
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 # Seconds a ring may sit unused before its memory is freed: long enough to survive the gap between
 # two loads of one start-up, short enough not to hold gigabytes of pinned memory through training.
@@ -69,7 +77,7 @@ class StagingRing:
             buffer = self._buffers[slot]
             if buffer is None:
                 try:
-                    buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                    buffer = memory.host_empty(self.buffer_bytes, torch.uint8, "staging buffer", pin=self.pinned)
                 except BaseException:
                     self._free.append(slot)
                     raise
@@ -181,3 +189,98 @@ def release() -> None:
     with _shared_lock:
         if _shared is not None:
             _shared.free()
+
+
+# --------------------------------------------------------------------------------------------
+# Copies through the ring.
+
+_copy_streams: dict[torch.device, object] = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per CUDA device for staged copies (created once: streams are not freed)."""
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def copy_staged(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | None = None) -> None:
+    """``dst.copy_(src)`` for two contiguous tensors of one dtype and numel, through the shared ring.
+
+    For a device and pageable host memory (either direction; host to host works too, the same code
+    the tests run on the CPU): each chunk goes through a ring buffer, at most two in flight, the
+    device side on a side stream, so that chunk k's transfer overlaps chunk k+1's host copy. Returns
+    once ``dst`` holds the values (device-to-host) or once the caller's stream is ordered after the
+    copies (host-to-device). Nothing but the ring's buffers is allocated, and those only on its first use.
+    """
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"copy_staged needs two contiguous tensors of one dtype and numel, got {dst.dtype} "
+                         f"{tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
+    total = src.numel() * src.element_size()
+    if total == 0:
+        return
+    out, inp = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+    size = min(chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
+    shared = ring(min(size, max(1 << 20, 1 << (total - 1).bit_length())), count=2)
+    cuda = next((t.device for t in (dst, src) if t.device.type == "cuda"), None)
+    stream = _copy_stream(cuda) if cuda is not None else None
+    buffers = [shared.acquire()]
+    extra = shared.acquire(block=False)  # never wait for a second buffer while holding one
+    if extra is not None:
+        buffers.append(extra)
+    step = min(buffers[0].numel(), size)  # a bigger shared ring (the loader's) still copies in chunk_bytes
+    events: list[object | None] = [None] * len(buffers)
+    try:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(cuda))  # the source was written on the caller's stream
+        if src.device.type == "cuda" and dst.device.type != "cuda":
+            _to_host(out, inp, buffers, events, step, stream)
+        else:
+            _to_device_or_host(out, inp, buffers, events, step, stream)
+        if stream is not None:
+            torch.cuda.current_stream(cuda).wait_stream(stream)  # later work on dst sees the copies
+    finally:
+        for buffer, event in zip(buffers, events):
+            shared.release(buffer, event)
+
+
+def _to_host(out, inp, buffers, events, step, stream) -> None:
+    """Device -> ring buffer (side stream) -> host; chunk k+1's transfer runs while chunk k is copied out."""
+    pending: list[tuple[int, int] | None] = [None] * len(buffers)
+
+    def drain(slot: int) -> None:
+        if pending[slot] is not None:
+            start, n = pending[slot]
+            events[slot].synchronize()
+            out[start:start + n].copy_(buffers[slot][:n])
+            pending[slot] = None
+
+    for k, start in enumerate(range(0, inp.numel(), step)):
+        slot, n = k % len(buffers), min(step, inp.numel() - start)
+        drain(slot)
+        with torch.cuda.stream(stream):
+            buffers[slot][:n].copy_(inp[start:start + n], non_blocking=True)
+            events[slot] = torch.cuda.Event()
+            events[slot].record(stream)
+        pending[slot] = (start, n)
+    for slot in range(len(buffers)):
+        drain(slot)
+    events[:] = [None] * len(buffers)  # every copy has landed
+
+
+def _to_device_or_host(out, inp, buffers, events, step, stream) -> None:
+    """Host -> ring buffer -> device (side stream); a buffer is refilled once its last transfer ended.
+    Without a device (host to host) the same steps run synchronously."""
+    for k, start in enumerate(range(0, inp.numel(), step)):
+        slot, n = k % len(buffers), min(step, inp.numel() - start)
+        if events[slot] is not None:
+            events[slot].synchronize()
+        buffers[slot][:n].copy_(inp[start:start + n])
+        if stream is None:
+            out[start:start + n].copy_(buffers[slot][:n])
+            continue
+        with torch.cuda.stream(stream):
+            out[start:start + n].copy_(buffers[slot][:n], non_blocking=True)
+            events[slot] = torch.cuda.Event()
+            events[slot].record(stream)

@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ztriton import memory, policy
-from ztriton.comm import World, min_over_ranks, world_of
+from ztriton.comm import World, agree, min_over_ranks, world_of
 from ztriton.flatten.tiers import TIERS, Group, Run
 from ztriton.kernels import byte_extent
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
@@ -123,6 +124,7 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
     lists = _param_lists(param_groups)
     groups = [_prepare(i, params, world.size, round_robin, parameter_alignment) for i, params in enumerate(lists)]
     _check_no_shared_memory(groups, lists)
+    _check_kernels_take(groups, lists)
     return [_flatten_group(g, world, forced, options) for g in groups]
 
 
@@ -196,9 +198,21 @@ def _name_bad_param(index: int, params: list[torch.Tensor], members: list[int]) 
                              "model (e.g. model.to_empty(device=...) and initialise it) before flattening")
 
 
+def _check_kernels_take(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
+    """Every participating param of every group is one the kernels copy (checked before any group moves)."""
+    for g, params in zip(groups, lists):
+        for j in g.layout.order:
+            memory.check_kernels_take(params[j], f"param_groups[{g.index}] params[{j}]")
+
+
 def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
-    """Participating params (of all groups) must not overlap in memory: each gets its own slot of a
-    flat buffer, so tied weights, one param listed twice or views of one tensor would come apart."""
+    """Participating params (of all groups) must not share an element of memory: each gets its own slot
+    of a flat buffer, so tied weights, one param listed twice or overlapping views would come apart.
+
+    Disjoint views of one tensor (``fused[:, :4]`` and ``fused[:, 4:]``, interleaved in memory) are
+    fine, as in DeepSpeed: params whose byte extents overlap are compared element by element (as sets
+    of strided runs), which costs something only for such clusters.
+    """
     extents = []
     for g, params in zip(groups, lists):
         device = str(g.device)  # one device per group, checked by _prepare
@@ -206,20 +220,58 @@ def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]
             lo, hi = byte_extent(params[j])
             extents.append((device, lo, hi, g.index, j))
     extents.sort()
-    reach: dict[str, tuple] = {}  # per device, the extent reaching furthest so far
-    for extent in extents:
-        device, lo, hi, i, j = extent
-        before = reach.get(device)
-        if before is not None and lo < before[2]:
-            _, _, _, i0, j0 = before
-            same = lists[i0][j0] is lists[i][j]
-            what = "are the same tensor (listed twice)" if same else \
-                "share memory (tied weights, or views of one tensor)"
-            raise ValueError(f"param_groups[{i0}] params[{j0}] and param_groups[{i}] params[{j}] {what}; each "
-                             "param gets its own slot of a flat buffer, so they would come apart: pass a shared "
-                             "param once (model.parameters() does) or untie it (clone one of them)")
-        if before is None or hi > before[2]:
-            reach[device] = extent
+    cluster: list[tuple] = []
+    for extent in extents + [(None, 0, 0, -1, -1)]:
+        if cluster and extent[0] == cluster[0][0] and extent[1] < max(e[2] for e in cluster):
+            cluster.append(extent)
+            continue
+        if len(cluster) > 1:
+            _check_cluster(cluster, lists)
+        cluster = [extent]
+
+
+def _check_cluster(cluster: list[tuple], lists: list[list[torch.Tensor]]) -> None:
+    """Params whose byte extents overlap: raise for the first two that share an element."""
+    runs = [_runs(lists[i][j]) for _, _, _, i, j in cluster]
+    begins = np.concatenate([r[0] for r in runs])
+    ends = np.concatenate([r[1] for r in runs])
+    owner = np.concatenate([np.full(len(r[0]), k) for k, r in enumerate(runs)])
+    order = np.argsort(begins, kind="stable")
+    begins, ends, owner = begins[order], ends[order], owner[order]
+    reach = np.maximum.accumulate(ends)
+    hits = np.flatnonzero(begins[1:] < reach[:-1])
+    if not len(hits):
+        return
+    k = int(hits[0]) + 1
+    first = int(owner[int(np.argmax(ends[:k] > begins[k]))])
+    a, b = sorted((cluster[first][3:], cluster[int(owner[k])][3:]))
+    same = lists[a[0]][a[1]] is lists[b[0]][b[1]]
+    what = "are the same tensor (listed twice)" if same else "share memory (tied weights, or overlapping views)"
+    raise ValueError(f"param_groups[{a[0]}] params[{a[1]}] and param_groups[{b[0]}] params[{b[1]}] {what}; each "
+                     "param gets its own slot of a flat buffer, so they would come apart: pass a shared "
+                     "param once (model.parameters() does) or untie it (clone one of them)")
+
+
+def _runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes ``t`` covers as ``[begin, end)`` runs (absolute addresses), one per contiguous run.
+
+    The set of elements a view covers does not depend on the order of its dims: sorted by stride and
+    merged where contiguous, a transposed or sliced view becomes few long runs.
+    """
+    size = t.element_size()
+    dims = sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: -d[1])
+    merged: list[list[int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = [merged[-1][0] * n, s]
+        else:
+            merged.append([n, s])
+    inner = merged.pop() if merged and merged[-1][1] == 1 else [1, 1]
+    starts = np.zeros(1, dtype=np.int64)
+    for n, s in merged:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    begins = t.data_ptr() + starts * size
+    return begins, begins + inner[0] * size
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,13 +279,28 @@ def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]
 
 
 def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options) -> FlatGroup:
+    """One group through its tiers. With W > 1 every rank agrees on the outcome before the next group
+    (whose first step is a collective): a rank that failed must not leave the others waiting in it."""
     if not g.params:
         logger.info("ztriton flatten group %d: no trainable non-empty params, empty flat buffer", g.index)
         flat = torch.empty(0, dtype=g.dtype, device=g.device)
         return FlatGroup(flat, (), g.layout, None, world.rank)
+    outcome = agree(world, lambda: _build(g, world, forced, options))
+    if outcome.ok:
+        return outcome.value
+    if outcome.error is not None:
+        raise outcome.error
+    raise RuntimeError(f"flatten group {g.index} failed on another rank (its error says why); on this rank groups "
+                       f"0 to {g.index} hold their values (group {g.index} and later ones are not flattened here). "
+                       "Fix the cause on that rank and call again on every rank")
 
+
+def _build(g: Group, world: World, forced: Tier | None, options: Options) -> FlatGroup:
     start = time.perf_counter()
-    figures = memory.probe_memory(g.device)
+    step = agree(world, lambda: memory.probe_memory(g.device))
+    if not step.ok:
+        raise RuntimeError(f"flatten group {g.index}: the memory probe failed ({step.describe()}); nothing moved")
+    figures = step.value
     # every rank must choose the same tier: decide on the smallest figures
     free, host = min_over_ranks([figures.device_free, figures.host_available], world)
     decision = policy.choose_flatten_tier(g.nbytes, world.size, free, host, options.headroom_bytes, forced)
@@ -246,9 +313,15 @@ def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options
             flat = TIERS[tier](g, run)
         except torch.OutOfMemoryError as exc:
             failures.append(f"{tier.value}: {exc}")
-            logger.warning("ztriton flatten group %d: tier %s ran out of memory (%s); trying the next tier",
+            logger.warning("ztriton flatten group %d: tier %s failed (%s); trying the next tier",
                            g.index, tier.value, exc)
             continue
+        except BaseException as exc:
+            where = _restore(g)
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"ztriton flatten group {g.index}, tier {tier.value}: the params keep their values: "
+                             f"{where}")
+            raise
         _alias(g, flat)
         logger.info("ztriton flatten group %d: %d params, %s flattened by tier %s in %.2f s", g.index,
                     len(g.params), format_bytes(g.nbytes), tier.value, time.perf_counter() - start)
@@ -283,9 +356,11 @@ def _restore(g: Group) -> str:
     memory allows. Returns where they are now, for the error message."""
     for k in sorted(g.evicted):
         try:
-            g.params[k].data = g.params[k].data.to(g.device)
-        except RuntimeError:  # out of memory: leave this one and the rest in host memory
+            back = memory.empty(g.numel(k), g.dtype, g.device, "param moved back")
+            back.copy_(g.params[k].data.reshape(-1))
+        except Exception:  # noqa: BLE001 -- out of memory (any class): leave this one and the rest in host memory
             break
+        g.params[k].data = back.view(g.shapes[k])
         g.evicted.discard(k)
     if not g.evicted:
         return f"all are on {g.device} as before"

@@ -1,7 +1,14 @@
 """The four ways to build one group's flat buffer (``docs/architecture.md``, "Vocabulary": tier).
 
-Each tier returns a filled flat buffer on ``g.device``, or raises ``torch.OutOfMemoryError`` with
-every param still holding its values (on ``g.device``, or in host memory and listed in ``g.evicted``).
+Each tier returns a filled flat buffer on ``g.device``, or raises with every param still holding its
+values: on ``g.device`` as before, or in host memory and listed in ``g.evicted`` (a later tier, or
+``groups._restore``, copies them back). No param's values are ever only in a buffer that a failure
+could free: a param's ``.data`` is replaced only once a complete copy of it exists elsewhere.
+
+``torch.OutOfMemoryError`` from a tier means "try the next tier"; any other exception is raised to
+the caller after the params are restored. The distributed tier takes every step on all ranks
+together and agrees on each step's outcome (``comm.agree``) before the next collective, so that its
+failures, whatever their class, fall through to the next tier on every rank at once.
 """
 from __future__ import annotations
 
@@ -11,16 +18,19 @@ from typing import Sequence
 
 import torch
 
-from ztriton import memory, policy
-from ztriton.comm import World, all_gather_bytes, all_ranks
+from ztriton import memory, policy, staging
+from ztriton.comm import World, agree, all_gather_bytes, same_on_all_ranks
 from ztriton.kernels import copy_chunk, pack, torch_pack
 from ztriton.layout import FlatGroupLayout
-from ztriton.memory import OutOfMemory, empty, format_bytes, host_empty, kernels_run_on, synchronize, try_empty, try_host_empty
+from ztriton.memory import OutOfMemory, empty, format_bytes, host_empty, kernels_run_on, synchronize
 from ztriton.policy import FlattenDecision, Options, Tier
 
 logger = logging.getLogger("ztriton")
 
 __all__ = ["Group", "Run", "TIERS"]
+
+# Bound of the per-group checksum (below 2**62, so that it and its negation fit an int64 all-reduce).
+_CHECKSUM_MOD = (1 << 61) - 1
 
 
 @dataclass
@@ -28,7 +38,7 @@ class Group:
     """One group's work, validated before anything moves.
 
     ``params``/``shapes``/``offsets`` are in flat order; shapes are kept apart from the params because
-    a tier may replace a param's ``.data`` with a placeholder. ``evicted`` holds the flat positions of
+    a tier may point a param's ``.data`` at host memory. ``evicted`` holds the flat positions of
     params whose ``.data`` currently lives in host memory instead of on ``device``.
     """
 
@@ -74,87 +84,102 @@ def _device_tier(g: Group, run: Run) -> torch.Tensor:
 
 
 def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
-    """Pack this rank's window, free the params, gather every rank's window into the flat buffer.
+    """Pack this rank's window, gather every rank's window into the flat buffer (collective).
 
-    Every allocation's outcome is agreed across ranks before the next collective step, so all ranks
-    take the same path and fall through together. When the measured budget holds the flat buffer
-    beside the params, it is allocated before the params are freed (nothing then ever lives only in
-    the partitions). Otherwise the params are freed first, and only if host memory could hold the
-    group: should the flat buffer still not fit, the partitions are gathered in small chunks into
-    host memory and the params point there (nothing is lost; the next tier copies them back).
+    Taken only if every rank holds the same values (a checksum, agreed): the gather gives each rank
+    the other ranks' windows, which must equal its own for the result to be the device tier's (and
+    DeepSpeed's, which flattens each rank's own params). Otherwise this tier steps aside and the
+    next one keeps each rank's values.
+
+    When the measured budget holds the flat buffer beside the params it is allocated before anything
+    else changes. Otherwise the params must make room: first every param is copied to host memory
+    (pageable, through the staging ring), then pointed there, which frees its device memory; only
+    then is the flat buffer allocated. Every step's outcome is agreed across ranks; any failure
+    leaves the params on the device or in that host copy, and falls through on every rank together.
     """
-    world, decision = run.world, run.decision
+    world = run.world
+    step = agree(world, lambda: _checksum(g))
+    if not step.ok:
+        raise OutOfMemory(f"distributed tier: the values' checksum failed ({step.describe()})")
+    if not same_on_all_ranks([step.value], world):
+        logger.warning("ztriton flatten group %d: the ranks hold different values; gathering windows would mix "
+                       "them, so the group is built locally (each rank keeps its own values, as DeepSpeed does)",
+                       g.index)
+        raise OutOfMemory("distributed tier: the ranks hold different values (each rank builds its own buffer)")
     w0, w1 = g.layout.rank_window(world.rank)
-    try:
+
+    def pack_window() -> torch.Tensor:
         part = empty(w1 - w0, g.dtype, g.device, "partition buffer")
         _pack(part, _sources(g), g.offsets, window=(w0, w1))
-    except torch.OutOfMemoryError:
-        part = None
-    if not all_ranks(part is not None, world):
-        raise OutOfMemory("a rank could not allocate its partition buffer")
+        return part
+
+    step = agree(world, pack_window)
+    if not step.ok:
+        raise OutOfMemory(f"distributed tier: the partition buffer ({step.describe()})")
+    part = step.value
+
+    def allocate_flat() -> torch.Tensor:
+        return empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
 
     flat = None
+    decision = run.decision
     if decision.free_bytes - decision.headroom_bytes >= g.nbytes + part.numel() * g.element_size:
-        flat = try_empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-        if not all_ranks(flat is not None, world):
-            flat = None
+        flat = agree(world, allocate_flat).value
     if flat is None:
         if run.host_bytes < g.nbytes:
             raise OutOfMemory(f"the flat buffer does not fit beside the params and host memory "
-                              f"({format_bytes(run.host_bytes)}) could not hold a recovery copy, so the params were kept")
-        _free_params(g)
-        flat = try_empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-        if not all_ranks(flat is not None, world):
-            flat = None  # the recovery below needs the memory back
-            _recover_from_partitions(g, part, run)
-            raise OutOfMemory("the flat buffer did not fit on every rank even with the params freed; the params "
-                              "were rebuilt from the ranks' partitions in host memory")
-    all_gather_bytes(flat, part, world)
+                              f"({format_bytes(run.host_bytes)}) cannot hold a copy of them, so the params were kept")
+        step = agree(world, lambda: _host_copy(g, run))
+        if not step.ok:
+            raise OutOfMemory(f"distributed tier: no host copy of the params ({step.describe()}); the params were kept")
+        _point_at(g, step.value, range(len(g.params)))  # their device memory goes; the host copy holds the values
+        step = agree(world, allocate_flat)
+        if not step.ok:
+            raise OutOfMemory(f"distributed tier: the flat buffer did not fit even with the params in host memory "
+                              f"({step.describe()})")
+        flat = step.value
+    step = agree(world, lambda: all_gather_bytes(flat, part, world))
+    if not step.ok:
+        raise OutOfMemory(f"distributed tier: the all-gather failed ({step.describe()})")
     return flat
 
 
 def _evict_tier(g: Group, run: Run) -> torch.Tensor:
     """Move the fewest params that free enough device memory to host memory, then fill the flat buffer
-    from the rest (one pack launch) and from host memory (copies in chunks)."""
-    chunk = _chunk_numel(g, run.decision.free_bytes, run.options)
+    from the rest (one pack launch) and from host memory (copies through the staging ring)."""
     resident = [k for k in range(len(g.params)) if k not in g.evicted]
     need = run.decision.evict_bytes if run.decision.tier is Tier.EVICT else _evict_estimate(g, run.options)
     picked = policy.choose_evictions([g.numel(k) * g.element_size for k in resident], need)
-    _evict(g, [resident[i] for i in picked], chunk)
+    _evict(g, [resident[i] for i in picked], run)
     try:
         flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     except torch.OutOfMemoryError:  # the estimate was short (fragmentation, other processes): evict all
         logger.info("ztriton flatten group %d: flat buffer still does not fit, evicting every param", g.index)
-        _evict(g, [k for k in range(len(g.params)) if k not in g.evicted], chunk)
+        _evict(g, [k for k in range(len(g.params)) if k not in g.evicted], run)
         flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     on_device = [k for k in range(len(g.params)) if k not in g.evicted]
     # The pack zeroes every gap, the evicted params' slots too; the copies below overwrite those.
     _pack(flat, [g.params[k].detach() for k in on_device], [g.offsets[k] for k in on_device])
+    chunk = _chunk_bytes(run)
     for k in sorted(g.evicted):
-        _copy_in_chunks(flat, g.offsets[k], g.params[k].detach(), chunk)
+        staging.copy_staged(flat.narrow(0, g.offsets[k], g.numel(k)), g.params[k].detach().reshape(-1), chunk)
     synchronize(g.device)
     return flat
 
 
 def _host_tier(g: Group, run: Run) -> torch.Tensor:
-    """Pack into one host buffer, free the params (they point into it meanwhile), copy it to the device once."""
-    staging = host_empty(g.layout.total_numel, g.dtype, "host flat buffer")
-    chunk = _chunk_numel(g, run.decision.free_bytes, run.options)
-    for k, (p, offset, pad) in enumerate(zip(g.params, g.offsets, g.layout.paddings)):
-        _copy_to_host(staging.narrow(0, offset, g.numel(k)), p.detach(), chunk)
-        staging.narrow(0, offset + g.numel(k), pad).zero_()
-    staging.narrow(0, g.layout.packed_numel, g.layout.tail_padding).zero_()
-    for k, (p, shape, offset) in enumerate(zip(g.params, g.shapes, g.offsets)):
-        p.data = staging.narrow(0, offset, g.numel(k)).view(shape)
-        g.evicted.add(k)
+    """Copy every param into one host buffer laid out as the flat buffer, point the params there
+    (freeing their device memory), allocate the flat buffer and copy it in through the staging ring."""
+    host = _host_copy(g, run, layout=True)
+    _point_at(g, host, range(len(g.params)), layout=True)
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-    flat.copy_(staging, non_blocking=staging.is_pinned())
+    staging.copy_staged(flat, host, _chunk_bytes(run))
     synchronize(g.device)
     return flat
 
 
 TIERS = {Tier.DEVICE: _device_tier, Tier.DISTRIBUTED: _distributed_tier, Tier.EVICT: _evict_tier,
-          Tier.HOST: _host_tier}
+         Tier.HOST: _host_tier}
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,101 +190,103 @@ def _sources(g: Group) -> list[torch.Tensor]:
     return [p.detach() for p in g.params]
 
 
+def _checksum(g: Group) -> int:
+    """A checksum of the group's values, position-weighted per param (the same values on every rank
+    give the same number; different random initialisations almost surely do not). Reads the params
+    once, in place; one device synchronisation."""
+    sums = [_bits(p.detach()).sum(dtype=torch.int64) for p in g.params]
+    total = 0
+    for k, value in enumerate(torch.stack(sums).tolist() if sums else []):
+        total = (total + (k + 1) * (value % _CHECKSUM_MOD)) % _CHECKSUM_MOD
+    return total
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as same-width integers (no copy where a view is possible)."""
+    width = t.element_size()
+    if width in (1, 2, 4, 8):
+        return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
+    return t.reshape(-1).contiguous().view(torch.int64)  # wider elements (complex128): as int64 pairs
+
+
 def _evict_estimate(g: Group, options: Options) -> int:
     """Bytes to evict when the evict tier is a fallback: what a fresh probe says is missing."""
     free = memory.probe_memory(g.device).device_free
     return max(0, g.nbytes - max(0, free - options.headroom_bytes))
 
 
-def _evict(g: Group, positions: Sequence[int], chunk_numel: int) -> None:
-    """Copy these params into one (pinned) host buffer and point them there; their device memory is freed.
+def _chunk_bytes(run: Run) -> int:
+    return policy.choose_chunk_bytes(run.decision.free_bytes, run.options.headroom_bytes, run.options.chunk_bytes)
 
-    One buffer rather than one per param: pinned allocations are slow, and rounded up in size.
+
+def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
+    """Copy these params into one pageable host buffer and point them there; their device memory is freed.
+
+    The params are re-pointed only once every copy is complete: a failure on the way leaves them as
+    they were. One buffer rather than one per param; its copies go through the pinned staging ring.
     """
     if not positions:
         return
-    host = host_empty(sum(g.numel(k) for k in positions), g.dtype, "evicted params")
-    offset = 0
+    host = host_empty(sum(g.numel(k) for k in positions), g.dtype, "evicted params", pin=False)
+    offset, places = 0, []
     for k in positions:
-        p, numel = g.params[k], g.numel(k)
-        view = host.narrow(0, offset, numel)
-        _copy_to_host(view, p.detach(), chunk_numel)
-        p.data = view.view(g.shapes[k])
+        view = host.narrow(0, offset, g.numel(k))
+        _copy_to_host(view, g.params[k].detach(), run)
+        places.append(offset)
+        offset += g.numel(k)
+    for k, at in zip(positions, places):
+        g.params[k].data = host.narrow(0, at, g.numel(k)).view(g.shapes[k])
         g.evicted.add(k)
-        offset += numel
     logger.info("ztriton flatten group %d: evicted %d params (%s) to host memory", g.index, len(positions),
                 format_bytes(host.numel() * g.element_size))
 
 
-def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, chunk_numel: int) -> None:
-    """``src`` flattened row-major into the contiguous host view ``dst``, without a full-size device copy.
+def _host_copy(g: Group, run: Run, layout: bool = False) -> torch.Tensor:
+    """A pageable host buffer holding every param's values: end to end, or (``layout``) at their
+    offsets of the flat layout with its pads zeroed, so that it can be copied to the flat buffer as is."""
+    numel = g.layout.total_numel if layout else sum(g.layout.numels)
+    host = host_empty(numel, g.dtype, "host copy of the params", pin=False)
+    at = 0
+    for k, p in enumerate(g.params):
+        start = g.offsets[k] if layout else at
+        _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run)
+        if layout:
+            host.narrow(0, start + g.numel(k), g.layout.paddings[k]).zero_()
+        at += g.numel(k)
+    if layout:
+        host.narrow(0, g.layout.packed_numel, g.layout.tail_padding).zero_()
+    return host
 
-    torch would make a strided device source contiguous on the device first (as large as the
-    param, when memory is short): such sources go through a device chunk with ``copy_chunk``.
+
+def _point_at(g: Group, host: torch.Tensor, positions: Sequence[int], layout: bool = False) -> None:
+    """Point the params at their copies in ``host`` (made by :func:`_host_copy`)."""
+    at = 0
+    for k in positions:
+        start = g.offsets[k] if layout else at
+        g.params[k].data = host.narrow(0, start, g.numel(k)).view(g.shapes[k])
+        g.evicted.add(k)
+        at += g.numel(k)
+
+
+def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
+    """``src`` flattened row-major into the contiguous host view ``dst``, through the staging ring.
+
+    A param already in host memory is copied directly. torch would make a strided device source
+    contiguous on the device first (as large as the param, when memory is short): such sources go
+    through a device chunk with ``copy_chunk``.
     """
-    if src.is_contiguous() or src.device.type != "cuda":
+    chunk = _chunk_bytes(run)
+    if src.is_contiguous():
+        staging.copy_staged(dst, src.reshape(-1), chunk)
+        return
+    if not kernels_run_on(src.device):
         dst.view(src.shape).copy_(src)
         return
-    stage = empty(min(chunk_numel, src.numel()), src.dtype, src.device, "staging chunk")
+    stage = empty(min(max(1, chunk // src.element_size()), src.numel()), src.dtype, src.device, "staging chunk")
     for start in range(0, src.numel(), stage.numel()):
         n = min(stage.numel(), src.numel() - start)
         copy_chunk(src, stage[:n], start, n)
-        dst[start:start + n].copy_(stage[:n])
-
-
-def _free_params(g: Group) -> None:
-    """Point every param at an empty placeholder, releasing its device memory (shapes are kept in g)."""
-    for p in g.params:
-        p.data = torch.empty(0, dtype=g.dtype, device=g.device)
-
-
-def _recover_from_partitions(g: Group, part: torch.Tensor, run: Run) -> None:
-    """Rebuild the whole flat buffer in host memory from every rank's partition and point the params into it.
-
-    All ranks take part. The gather goes through a small device buffer, W chunks at a time, so it
-    needs next to no device memory (and works with backends that cannot gather host tensors). If even
-    that cannot be allocated on every rank, the values live only in the ranks' partitions: that is
-    raised as a RuntimeError (not an out-of-memory error, which would fall through to the next tier).
-    """
-    world = run.world
-    size = part.numel()
-    chunk = max(1, _chunk_numel(g, run.decision.free_bytes, run.options) // world.size)
-    host = try_host_empty(g.layout.total_numel, g.dtype, "host flat buffer")
-    staging = try_empty(world.size * min(chunk, size), g.dtype, g.device, "gather staging buffer")
-    if not all_ranks(host is not None and staging is not None, world):
-        raise RuntimeError(f"flatten group {g.index}: the params were freed and neither the flat buffer nor a host "
-                           f"copy ({format_bytes(g.nbytes)}) could be allocated on every rank; their values now exist only in "
-                           "the ranks' partitions and are lost. Free memory, rebuild the model and call again "
-                           "(with tier='evict' or 'host' to keep the params until the buffer exists)")
-    for start in range(0, size, chunk):
-        n = min(chunk, size - start)
-        out = staging[:world.size * n]
-        all_gather_bytes(out, part[start:start + n], world)
-        for r in range(world.size):
-            host[r * size + start:r * size + start + n].copy_(out[r * n:(r + 1) * n])
-    for k, (p, shape, offset) in enumerate(zip(g.params, g.shapes, g.offsets)):
-        p.data = host.narrow(0, offset, g.numel(k)).view(shape)
-        g.evicted.add(k)
-    logger.warning("ztriton flatten group %d: recovered the params from the ranks' partitions into host memory",
-                   g.index)
-
-
-def _chunk_numel(g: Group, free_bytes: int, options: Options) -> int:
-    """Elements per host-to-device copy (or per rank in one recovery gather)."""
-    nbytes = policy.choose_chunk_bytes(free_bytes, options.headroom_bytes, options.chunk_bytes)
-    return max(1, nbytes // g.element_size)
-
-
-def _copy_in_chunks(flat: torch.Tensor, offset: int, src: torch.Tensor, chunk_numel: int) -> None:
-    """``src`` (host memory, contiguous) into ``flat[offset:]``, ``chunk_numel`` elements per copy.
-
-    Pinned sources copy asynchronously; the caller synchronises before the sources may go.
-    """
-    src = src.reshape(-1)
-    pinned = src.is_pinned()
-    for start in range(0, src.numel(), chunk_numel):
-        n = min(chunk_numel, src.numel() - start)
-        flat.narrow(0, offset + start, n).copy_(src.narrow(0, start, n), non_blocking=pinned)
+        staging.copy_staged(dst[start:start + n], stage[:n], chunk)
 
 
 def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
