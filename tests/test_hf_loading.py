@@ -24,7 +24,7 @@ import ztriton  # noqa: F401 - the DeepSpeed hooks of the key (zero.Init)
 import hf_models
 from ds_reference import bits
 from transformers import AutoModelForCausalLM
-from transformers.core_model_loading import Transpose, WeightConverter
+from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
 from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.modeling_utils import PreTrainedModel
 from ztriton import loading
@@ -37,9 +37,13 @@ DTYPE = hf_models.DTYPE
 
 @pytest.fixture(scope="module", autouse=True)
 def _installed():
+    """The hooks are in for these tests, and afterwards as they were before (``import ztriton`` installs them as soon
+    as transformers' modeling_utils is imported, so later test modules may count on them)."""
+    was_installed = hf_integration.installed()
     assert hf_integration.install(), hf_integration.unsupported_reason()
     yield
-    hf_integration.uninstall()
+    if not was_installed:
+        hf_integration.uninstall()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -141,6 +145,12 @@ def plain(path: Path, **kwargs) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+def like(want: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``want`` on ``tensor``'s device, in its dtype: the reference is read on the CPU, while ZeRO-3 puts partitions
+    and buffers on the accelerator's device (CUDA on the GPU machine), and torch.equal needs one device."""
+    return want.to(device=tensor.device, dtype=tensor.dtype)
+
+
 def valid_window(param, world_size: int, rank: int) -> tuple[int, int]:
     psize = param.ds_tensor.ds_numel
     assert psize == math.ceil(param.ds_numel / world_size)
@@ -148,20 +158,23 @@ def valid_window(param, world_size: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(start + psize, param.ds_numel) - start)
 
 
-def check_partitions(model, want: dict[str, torch.Tensor], world_size: int, rank: int) -> None:
+def check_partitions(model, want: dict[str, torch.Tensor], world_size: int, rank: int, skip: frozenset = frozenset()
+                     ) -> None:
     """Every param's partition (valid prefix) holds this rank's slice of ``want``, bit for bit; padding is zero;
-    persistent buffers equal ``want`` whole."""
+    persistent buffers equal ``want`` whole. Tensors named in ``skip`` are not compared."""
     params = dict(model.named_parameters())
     assert params, "no parameters"
     for name, param in params.items():
+        if name in skip:
+            continue
         start, count = valid_window(param, world_size, rank)
-        expected = bits(want[name].to(param.ds_tensor.dtype))[start:start + count]
+        expected = bits(like(want[name], param.ds_tensor))[start:start + count]
         assert torch.equal(bits(param.ds_tensor)[:count], expected), f"{name}: rank {rank} of {world_size}"
         assert not bits(param.ds_tensor)[count:].any(), f"{name}: padding is not zero"
     persistent = set(model.state_dict())
     for name, buffer in model.named_buffers():
-        if name in persistent:
-            assert torch.equal(bits(buffer), bits(want[name].to(buffer.dtype))), name
+        if name in persistent and name not in skip:
+            assert torch.equal(bits(buffer), bits(like(want[name], buffer))), name
 
 
 def same_partitions(a, b, world_size: int, rank: int) -> None:
@@ -232,7 +245,9 @@ def test_sources_from_transformers_mapping_rebuild_the_fused_params(name, checkp
     assert not derived.fallback and not derived.unexpected
     assert sorted(derived.sources) == sorted(references[name])
     for key, source in derived.sources.items():
-        assert torch.equal(bits(build(source, saved)), bits(references[name][key])), key
+        # in the model's dtype, as the loader writes it: DeepSeek-V3's router bias is an fp32 buffer that
+        # transformers 5.17's from_config casts to bf16 (so its checkpoint stores bf16) and 5.24's keeps fp32
+        assert torch.equal(bits(like(build(source, saved), references[name][key])), bits(references[name][key])), key
     fused = {k: s for k, s in derived.sources.items() if k.endswith("gate_up_proj")}
     assert len(fused) == (1 if name == "deepseek_v3" else 2)  # DeepSeek's layer 0 is dense
     for source in fused.values():  # transformers' order: concat(stack_E(gate_E), stack_E(up_E), dim=1)
@@ -322,8 +337,8 @@ def test_missing_keys_are_initialised_one_param_at_a_time_as_key_off(checkpoints
         same_partitions(models["torch"], models["triton"], world_size, 0)
         params = dict(models["triton"].named_parameters())
         norm = params["model.norm.weight"]
-        assert torch.equal(norm.ds_tensor[:valid_window(norm, world_size, 0)[1]].float(),
-                           torch.ones(valid_window(norm, world_size, 0)[1]))
+        count = valid_window(norm, world_size, 0)[1]
+        assert torch.equal(norm.ds_tensor[:count].float(), torch.ones(count, device=norm.ds_tensor.device))
         down = params["model.layers.1.mlp.experts.down_proj"].ds_tensor.float()
         assert 0 < down.std() < 0.1  # normal_(std=initializer_range), not left uninitialised
 
@@ -345,13 +360,13 @@ def test_shape_mismatch_fails_before_anything_is_read(checkpoints, tmp_path, fak
     assert info["mismatched_keys"] == plain_info["mismatched_keys"] == {
         ("model.layers.1.mlp.up_proj.weight", (21, 32), (22, 32))}
     assert seen.gathered == [1] and len(reports) == 1
-    want = dict(references["llama"])
+    want = references["llama"]
     mismatched = dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
-    want["model.layers.1.mlp.up_proj.weight"] = torch.zeros(22, 32)  # not compared: replaced below
     for name, param in model.named_parameters():
-        if param is not mismatched:
+        if param is not mismatched:  # initialised, not loaded: the checkpoint's is the wrong shape
             start, count = valid_window(param, 3, 1)
-            assert torch.equal(bits(param.ds_tensor)[:count], bits(want[name].to(DTYPE))[start:start + count]), name
+            expected = bits(like(want[name], param.ds_tensor))[start:start + count]
+            assert torch.equal(bits(param.ds_tensor)[:count], expected), name
 
 
 def test_unexpected_keys_and_ignore_lists_as_transformers_reports_them(checkpoints, tmp_path, fake_world):
@@ -396,6 +411,40 @@ def test_an_unmapped_conversion_goes_through_transformers_own_path_for_that_para
     assert any("o_proj.weight" in r.getMessage() and "Transpose" in r.getMessage() for r in caplog.records)
 
 
+class _ConcatenateOne(Concatenate):
+    """``Concatenate`` of one tensor (an identity) under another type: transformers runs it, ztriton maps only the
+    exact types."""
+
+
+def test_an_unmapped_conversion_of_a_buffer_is_read_on_every_rank(checkpoints, tmp_path, fake_world, references,
+                                                                  monkeypatch):
+    """DeepSeek-V3's router bias (a persistent fp32 buffer) stored under another name with an unmapped conversion:
+    transformers' own path loads it, and every rank reads its checkpoint tensor (transformers 5.17 copies it on every
+    rank, 5.24 broadcasts rank 0's), so that no rank hands transformers a meta tensor to copy."""
+    from transformers import conversion_mapping
+
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+    def rename(tensors):
+        tensors[bias + "_stored"] = tensors.pop(bias)
+
+    directory = hf_models.edit_checkpoint(checkpoints["deepseek_v3", "single"], tmp_path / "bias", rename)
+    mapping = conversion_mapping.get_checkpoint_conversion_mapping("deepseek_v3")  # a copy, with the expert fusions
+    monkeypatch.setitem(conversion_mapping._checkpoint_conversion_mapping_cache, "DeepseekV3ForCausalLM", mapping + [
+        WeightConverter(source_patterns="mlp.gate.e_score_correction_bias_stored",
+                        target_patterns="mlp.gate.e_score_correction_bias", operations=[_ConcatenateOne(0)])])
+    for rank in (0, 5):
+        with fake_world(8, rank):
+            model, info, seen, reports = load(directory, "triton")
+        assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), (rank, info)
+        assert not seen.gathered and set(seen.calls) <= {"broadcast"}, (rank, seen.gathered, seen.calls)
+        assert bias not in reports[0].loaded and len(reports[0].loaded) == len(references["deepseek_v3"]) - 1
+        # 5.24 broadcasts rank 0's value to the other ranks, which a fake world does not move: there the value of a
+        # rank but 0 is not the loader's to check
+        broadcast = rank != 0 and "broadcast" in seen.calls
+        check_partitions(model, references["deepseek_v3"], 8, rank, skip=frozenset({bias} if broadcast else ()))
+
+
 def test_tied_embeddings_are_loaded_once_and_tied(tmp_path, fake_world):
     directory = hf_models.save_checkpoint("llama", tmp_path / "tied", tie_word_embeddings=True)
     want = plain(directory)
@@ -411,6 +460,38 @@ def test_key_off_is_transformers_own_code(checkpoints, fake_world):
     with fake_world(1, 0):
         _, info, seen, reports = load(checkpoints["qwen2_moe", "sharded"], "torch")
     assert reports == [] and seen.gathered and info["missing_keys"] == set()
+
+
+_AUTO_INSTALL_PROBE = """
+{first}
+from transformers.modeling_utils import PreTrainedModel
+from ztriton.integrations import transformers as hf_integration
+names = ("_load_pretrained_model", "_initialize_missing_keys")
+def ours():
+    functions = [PreTrainedModel.__dict__[n] for n in names]
+    functions = [getattr(f, "__func__", f) for f in functions]
+    return [f.__code__.co_filename.endswith("ztriton/integrations/transformers/__init__.py") for f in functions]
+print("probe:", hf_integration.installed(), ours(), hf_integration.install(), ours())
+hf_integration.uninstall()
+print("probe:", hf_integration.installed(), ours())
+"""
+
+
+@pytest.mark.parametrize("first", ["import ztriton", "import transformers.modeling_utils; import ztriton"])
+def test_import_ztriton_installs_the_hooks_whichever_is_imported_first(first):
+    """``import ztriton`` puts the hooks in as soon as transformers' modeling_utils is (or was) imported, without an
+    explicit install(); install() then changes nothing and uninstall() puts transformers' own methods back."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ZTRITON_AUTOLOAD": "0"}  # the start-up hook would import ztriton before `first` does
+    done = subprocess.run([sys.executable, "-c", _AUTO_INSTALL_PROBE.format(first=first)], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("probe:")]
+    assert lines == ["probe: True [True, True] True [True, True]", "probe: False [False, False]"], \
+        done.stdout + done.stderr
 
 
 def test_an_unknown_transformers_is_left_alone(monkeypatch, caplog):

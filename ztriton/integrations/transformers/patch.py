@@ -1,11 +1,12 @@
 """transformers' ``from_pretrained`` under ZeRO-3, through ztriton's shard-on-read loader when the key is on.
 
 transformers (5.17 to 5.24, read from their sources) builds the model under ``zero.Init`` + ``no_init_weights``,
-then in the ZeRO-3 branch of ``PreTrainedModel._load_pretrained_model`` loads every checkpoint file on rank 0
-and hands the state dict to ``integrations.deepspeed._load_state_dict_into_zero3_model``, which gathers each
-module's params whole on every rank (``GatheredParameters``, modifier rank 0), lets rank 0 copy, and
-re-partitions by broadcast. ``_finalize_model_loading`` then initialises the missing keys in
-``_initialize_missing_keys`` by gathering all of them at once.
+then in the ZeRO-3 branch of ``PreTrainedModel._load_pretrained_model`` loads every checkpoint file (on every
+rank in 5.17; 5.24 reads values on rank 0 only, meta tensors elsewhere) and hands the state dict to
+``integrations.deepspeed._load_state_dict_into_zero3_model``, which gathers each module's params whole on every
+rank (``GatheredParameters``, modifier rank 0), lets rank 0 copy, and re-partitions by broadcast.
+``_finalize_model_loading`` then initialises the missing keys in ``_initialize_missing_keys`` by gathering all of
+them at once.
 
 With ``"partition_backend": "triton"`` in the ZeRO-3 config transformers holds, two methods are replaced:
 
@@ -212,16 +213,22 @@ def _rank() -> int:
 
 def _load_through_transformers(model, checkpoint: Checkpoint, fallback: dict[str, list[str]], load_config):
     """transformers' own ZeRO-3 loading for the params ztriton cannot map: rank 0 reads only their checkpoint
-    tensors (the other ranks get meta tensors, as transformers gives them), converted and gathered by
-    ``_load_state_dict_into_zero3_model``. Returns its error messages and the model keys it loaded."""
+    tensors (the other ranks get meta tensors, as transformers 5.24 gives them), converted and gathered by
+    ``_load_state_dict_into_zero3_model``. Returns its error messages and the model keys it loaded.
+
+    A buffer's checkpoint tensors are read on every rank: transformers 5.17 copies buffers on every rank (from a
+    meta tensor it would fail), 5.24 broadcasts rank 0's (the other ranks' values are not used)."""
     from safetensors import safe_open
     from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
 
+    tensors = model.state_dict(keep_vars=True)
     keys = sorted({key for keys in fallback.values() for key in keys})
+    read_everywhere = {key for name, keys in fallback.items() if not hasattr(tensors[name], "ds_tensor")
+                       for key in keys}
     state_dict = {}
     for key in keys:
         info = checkpoint.info(key)
-        if _rank() == 0:
+        if _rank() == 0 or key in read_everywhere:
             with safe_open(str(info.file), framework="pt", device="cpu") as handle:
                 state_dict[key] = handle.get_tensor(key)
         else:
