@@ -33,3 +33,65 @@ def test_demo_runs_on_cpu_and_reports_identical_bytes(tmp_path):
     # with the key on, the fused experts started in host memory and ztriton built every buffer
     for line in ("zero.Init partitions through ztriton", "ztriton defragment of", "ztriton flatten group 0: device"):
         assert line in done.stdout
+
+
+def test_demo_on_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the error path exists only without CUDA
+    done = run_python(["-m", "ztriton", "demo", "--device", "cuda"], tmp_path)
+    assert done.returncode == 2
+    assert "--device cuda" in done.stderr and "no CUDA device" in done.stderr and "--device cpu" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_demo_output_has_no_foreign_warnings(tmp_path):
+    done = run_python(["-W", "default", "-m", "ztriton", "demo", "--device", "cpu", "--world-size", "2"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout + done.stderr
+    for noise in ("Warning:", "untested optimizer", "is deprecated"):
+        assert noise not in text, text
+    assert "[INFO] [optimizers.py:" in done.stdout  # ztriton's lines through DeepSpeed's logger still show
+
+
+def test_wheel_ships_the_start_up_hook_at_the_top_of_site_packages(tmp_path):
+    import zipfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path), repo], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("ztriton-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ztriton-autoload.pth" in names and "ztriton/__init__.py" in names and "ztriton/kernels/__init__.py" in names
+    hook = zipfile.ZipFile(wheel).read("ztriton-autoload.pth").decode()
+    with open(os.path.join(repo, "tools", "ztriton-autoload.pth")) as handle:
+        assert hook == handle.read()
+    assert not [n for n in names if n.startswith(("tools/", "tests/", "kernels/"))]
+
+
+def test_editable_install_ships_the_start_up_hook(tmp_path):
+    """A fresh venv reusing this environment's packages (no torch reinstall): ``pip install -e`` of the
+    checkout puts the hook beside setuptools' own editable finder, and it runs at start-up."""
+    import site
+    import venv
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "venv")
+    (python,) = (tmp_path / "venv" / "bin").glob("python3")
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                           "--no-build-isolation", "-e", repo], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(site.getsitepackages())})
+    assert done.returncode == 0, done.stderr
+    installed = sorted(os.listdir(purelib))
+    assert "ztriton-autoload.pth" in installed and any(n.startswith("__editable__.ztriton") for n in installed)
+    probe = "import sys; print('ztriton' in sys.modules, sys.modules['ztriton'].__file__)"
+    for flag, loaded in (("1", "True"), ("0", "False")):
+        ran = subprocess.run([str(python), "-c", probe if flag == "1" else "import sys; print('ztriton' in sys.modules)"],
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env={**os.environ, "ZTRITON_AUTOLOAD": flag})
+        assert ran.stdout.split()[0] == loaded, ran.stdout + ran.stderr
+    assert ran.returncode == 0

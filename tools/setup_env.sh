@@ -23,6 +23,16 @@ if ! "$VPY" -c "import deepspeed" 2>/dev/null; then
   pip_install "setuptools>=69" wheel ninja packaging psutil py-cpuinfo hjson msgpack pydantic tqdm nvidia-ml-py
   DS_BUILD_OPS=0 pip_install --no-build-isolation "deepspeed==0.19.8"
 fi
-echo "[setup] installing ztriton (editable) with test extras"
-pip_install --no-build-isolation -e ".[test]"
-"$VPY" -c "import torch, triton, deepspeed, ztriton.kernels; print('[setup] torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep '^\[setup\]'
+# Reinstall only when what the install is made of changed (pip takes ~6 s even when nothing did): the
+# package metadata and the start-up hook files. The stamp lives in .venv, so a fresh venv installs.
+stamp=.venv/.ztriton-install-stamp
+want=$(cat pyproject.toml tools/build_autoload.py tools/ztriton-autoload.pth | "$VPY" -c "import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())")
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VPY" -c "import importlib.metadata as m; m.distribution('ztriton')" 2>/dev/null; then
+  echo "[setup] installing ztriton (editable, with its start-up hook) and its test extras"
+  rm -f "$stamp"
+  pip_install --no-build-isolation -e ".[test]"
+  "$VPY" -c "import importlib.metadata as m; m.distribution('ztriton')" || { echo "[setup] ztriton did not install" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+"$VPY" -c "import torch, triton, deepspeed, ztriton.kernels; print('[setup] torch', torch.__version__, '| triton', triton.__version__, '| deepspeed', deepspeed.__version__)" 2>&1 | grep '^\[setup\]' \
+  || { echo "[setup] torch, triton, deepspeed or ztriton does not import in .venv" >&2; exit 1; }

@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
-exec .venv/bin/python -m pytest "$@"
+# Only the pytest plugins the suite uses: the venv sees the system site-packages, whose unrelated
+# plugins (anyio, benchmark, ...) would otherwise load too. hypothesis registers as one.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+exec .venv/bin/python -m pytest -p hypothesispytest "$@"

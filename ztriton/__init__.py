@@ -1,18 +1,24 @@
-"""ztriton: Triton kernels for DeepSpeed ZeRO's load-time data movement."""
-import importlib.abc as _abc
+"""ztriton: Triton kernels for DeepSpeed ZeRO's load-time data movement.
+
+Importing this package is cheap (standard library only): the installed distribution's start-up hook
+(``ztriton-autoload.pth``) imports it in every interpreter so that the DeepSpeed config key works
+without ``import ztriton``; ``ZTRITON_AUTOLOAD=0`` turns that off.
+"""
 import importlib.util as _util
-import logging as _logging
+import os as _os
 import sys as _sys
-from pathlib import Path as _Path
 
 # The kernels' sources live in the top-level folder kernels/, installed as ztriton.kernels. In a
 # source checkout that is imported without being installed (PYTHONPATH=. on a GPU box), let
-# `import ztriton.kernels` find that folder too.
-_checkout_kernels = _Path(__file__).resolve().parent.parent / "kernels"
-if (_checkout_kernels / "__init__.py").is_file() and not (_Path(__file__).parent / "kernels").exists():
-    __path__.append(str(_checkout_kernels.parent))
-
-from ztriton import layout  # noqa: E402
+# `import ztriton.kernels` find that folder too. Not when an editable install's finder maps it: the
+# start-up hook imports ztriton in every interpreter, and tools that walk ztriton.__path__ (import-linter)
+# would then see the whole checkout as ztriton.*.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_checkout_root = _os.path.dirname(_here)
+if _os.path.isfile(_os.path.join(_checkout_root, "kernels", "__init__.py")) and \
+        not _os.path.exists(_os.path.join(_here, "kernels")) and \
+        not any(name.startswith("__editable___ztriton") for name in _sys.modules):
+    __path__.append(_checkout_root)
 
 __version__ = "0.1.0"
 __all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", "defragment", "load_checkpoint",
@@ -23,6 +29,7 @@ __all__ = ["layout", "partition", "Partitioned", "flatten_groups", "FlatGroup", 
 # module is ztriton.partitioning, not ztriton.partition: a submodule named like the function would
 # rebind `ztriton.partition` to the module whenever it is imported directly; likewise defragmenting.)
 _LAZY = {
+    "layout": None,  # a submodule
     "partition": "ztriton.integrations.deepspeed.zero3_param",  # makes DeepSpeed ZeRO-3 params
     "Partitioned": "ztriton.partitioning",
     "flatten_groups": "ztriton.flatten",
@@ -36,7 +43,8 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(f"ztriton.{name}" if _LAZY[name] is None else _LAZY[name])
+        value = module if _LAZY[name] is None else getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module 'ztriton' has no attribute {name!r}")
@@ -51,8 +59,9 @@ _INSTALLERS = {"deepspeed": ("ztriton.integrations.deepspeed.install", "DeepSpee
                                                "transformers 5.17 to 5.24")}
 
 
-class _InstallOnImport(_abc.MetaPathFinder):
-    """One shot per module: when ``name`` finishes loading, install ztriton's hooks into it."""
+class _InstallOnImport:
+    """One shot per module: when ``name`` finishes loading, install ztriton's hooks into it. (A meta path
+    finder needs only ``find_spec``: importlib.abc would cost the start-up hook 7 ms of imports.)"""
 
     def __init__(self, name: str):
         self.name = name
@@ -80,7 +89,9 @@ def _install_hooks(name: str) -> None:
     try:
         importlib.import_module(module).install()
     except Exception as exc:  # internals that moved: say so, do not break the user's import
-        _logging.getLogger("ztriton").error(
+        import logging
+
+        logging.getLogger("ztriton").error(
             "ztriton could not hook %s (%s: %s); \"partition_backend\": \"triton\" will have no effect there. "
             "ztriton supports %s", library, type(exc).__name__, exc, supported)
 

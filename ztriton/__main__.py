@@ -27,6 +27,14 @@ def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     import torch
 
+    if args.world_size < 1:
+        print(f"python -m ztriton demo: --world-size must be at least 1, got {args.world_size}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"python -m ztriton demo: --device cuda, but this torch ({torch.__version__}) sees no CUDA device "
+              f"(torch.version.cuda={torch.version.cuda}); run with --device cpu, or without --device to pick the "
+              "GPU when there is one", file=sys.stderr)
+        return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         # Both are read once per process: before triton / DeepSpeed are first imported.

@@ -7,13 +7,14 @@ keys are accepted and readable from the config dict. The section's options are
 from __future__ import annotations
 
 import base64
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ztriton.policy import OPTION_NAMES, Options
 
-__all__ = ["BACKENDS", "CONFIG_KEY", "OPTIONS_KEY", "Settings", "settings_from"]
+__all__ = ["BACKENDS", "CONFIG_KEY", "OPTIONS_KEY", "Settings", "misspelt_keys", "settings_from", "warn_if_no_effect"]
 
 CONFIG_KEY = "partition_backend"
 OPTIONS_KEY = "ztriton"
@@ -83,9 +84,47 @@ def _config_dict(config: Any) -> dict:
     raise TypeError(f"a DeepSpeed config is a dict, a path or a DeepSpeedConfig, got {type(config).__name__}")
 
 
+def _squash(key: str) -> str:
+    return "".join(c for c in key.lower() if c.isalnum())
+
+
+def misspelt_keys(values: dict) -> list[tuple[str, str]]:
+    """Top-level keys of a config that look like a misspelling of ours: ``(found, meant)`` pairs.
+
+    DeepSpeed accepts unknown top-level keys silently, so ``"partition_backed": "triton"`` would leave the
+    key off without a word. A key is suspect when it equals one of ours up to case and separators
+    (``"partition-backend"``, ``"PartitionBackend"``) or is a close match (difflib ratio >= 0.8)."""
+    ours = {CONFIG_KEY: _squash(CONFIG_KEY), OPTIONS_KEY: _squash(OPTIONS_KEY)}
+    found = []
+    for key in values:
+        if not isinstance(key, str) or key in ours:
+            continue
+        for meant, squashed in ours.items():
+            if _squash(key) == squashed or difflib.get_close_matches(key.lower(), [meant], n=1, cutoff=0.8):
+                found.append((key, meant))
+                break
+    return found
+
+
+def warn_if_no_effect(settings: Settings, zero_stage: int) -> None:
+    """``deepspeed.initialize`` under the key at ZeRO stage 0: nothing of ztriton's runs there."""
+    if settings.triton and zero_stage == 0:
+        from ztriton.integrations.deepspeed.report import warn_once
+
+        warn_once(f"{CONFIG_KEY!r}: 'triton' has no effect at ZeRO stage 0 (zero_optimization.stage is 0 or "
+                  "missing): ztriton moves data for the ZeRO-1/2/3 optimizers and zero.Init; set the stage, or "
+                  "drop the key")
+
+
 def config_init(original, self, config, *args, **kwargs):
     """``DeepSpeedConfig.__init__``: the key is read and checked wherever DeepSpeed reads a config."""
     if isinstance(config, type(self)):  # zero.Init(config_dict_or_path=<DeepSpeedConfig>): read its dict
         config = config._param_dict
     original(self, config, *args, **kwargs)
     settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
+    if isinstance(self._param_dict, dict):
+        from ztriton.integrations.deepspeed.report import warn_once
+
+        for key, meant in misspelt_keys(self._param_dict):
+            warn_once(f"DeepSpeed config key {key!r} is not one DeepSpeed or ztriton reads (DeepSpeed ignores unknown "
+                      f"keys); did you mean {meant!r}?")

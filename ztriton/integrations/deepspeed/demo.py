@@ -188,14 +188,48 @@ def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: in
     return rows
 
 
+class _DropMessage:
+    """A logging filter that drops records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_foreign_warnings() -> None:
+    """Silence, precisely, the warnings the demo would print that are neither ztriton's nor about the
+    user's setup: each comes from DeepSpeed 0.19.8 calling torch, not from anything a user can change.
+
+    DeepSpeed's logger stays at its default level, so its own lines and ztriton's (which go through it,
+    see :mod:`.report`) still show."""
+    import warnings
+
+    # DeepSpeed's ZeRO-3 and ZeRO-2 call these c10d functions, which torch 2.13 deprecates in favour of
+    # *_single; the demo cannot change DeepSpeed's calls.
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated", category=FutureWarning)
+    # DeepSpeed's modules decorate with torch.jit.script_method at import (deprecated in torch 2.13).
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.* is deprecated", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script_method.* is deprecated", category=FutureWarning)
+    from deepspeed.utils import logger as deepspeed_logger  # after the filters: importing it warns too
+
+    # The demo uses torch.optim.SGD on purpose (no optimizer state to allocate, so the peaks compare the data
+    # movement only) and says so with "zero_allow_untested_optimizer"; DeepSpeed still warns on every engine.
+    deepspeed_logger.addFilter(_DropMessage("You are using ZeRO with an untested optimizer"))
+
+
 def run(device: str, world_size: int) -> int:
     import logging
 
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)  # its per-step banners would drown the table
+    quiet_foreign_warnings()
     ours = logging.getLogger("ztriton")  # which path and tier ztriton took, and why
     ours.setLevel(logging.INFO)
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("[demo]   %(message)s"))
+    # banners and step summaries already show through DeepSpeed's logger (see .report): not twice
+    handler.addFilter(lambda record: not getattr(record, "ztriton_report", False))
     ours.addHandler(handler)
     shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
     # Params of this size or more are created in host memory under the key: the fused experts.

@@ -4,7 +4,9 @@ Each wrapper runs DeepSpeed's original unless the config in force says ``"triton
 key DeepSpeed behaves exactly as before:
 
 * ``DeepSpeedConfig.__init__``      reads and checks the key (an unknown backend fails there, i.e. at
-                                    ``deepspeed.initialize`` / ``zero.Init``) -- :mod:`.config`.
+                                    ``deepspeed.initialize`` / ``zero.Init``; a misspelt key warns)
+                                    -- :mod:`.config`.
+* ``DeepSpeedEngine._do_sanity_check`` warns when the key does nothing (ZeRO stage 0) -- :mod:`.config`.
 * ``zero.Init`` (``__init__``, ``_post_init_method``, ``_convert_to_zero_parameters``, the
   tensor-creation wrappers)         partitions through ztriton -- :mod:`.zero_init`.
 * ``DeepSpeedEngine._configure_zero_optimizer``, ``DeepSpeedZeroOptimizer`` (ZeRO-1/2: its init-time
@@ -40,6 +42,7 @@ def install() -> None:
     _wrap(init, "_convert_to_zero_parameters", zero_init.init_convert_to_zero_parameters)
     _wrap(init, "_add_tensor_creation_wrappers", zero_init.init_add_tensor_creation_wrappers)
     _wrap(engine_module.DeepSpeedEngine, "_configure_zero_optimizer", optimizers.engine_configure_zero_optimizer)
+    _wrap(engine_module.DeepSpeedEngine, "_do_sanity_check", optimizers.engine_do_sanity_check)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", optimizers.zero12_init)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", optimizers.zero12_flatten)
     _wrap(stage3, "defragment", optimizers.stage3_defragment)

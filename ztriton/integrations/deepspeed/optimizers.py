@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from ztriton.integrations.deepspeed.config import settings_from
+from ztriton.integrations.deepspeed import report
+from ztriton.integrations.deepspeed.config import settings_from, warn_if_no_effect
 from ztriton.integrations.deepspeed.state import STATE
 from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
 
@@ -39,7 +40,8 @@ def zero12_init(original, self, *args, **kwargs):
     settings = STATE.building_optimizer.get()
     if settings is None or not settings.triton:
         return original(self, *args, **kwargs)
-    logger.info("ztriton: the ZeRO-1/2 optimizer's init-time flatten goes through ztriton.flatten_groups")
+    report.banner("partition_backend='triton': the ZeRO-1/2 optimizer's init-time flatten goes through "
+                  "ztriton.flatten_groups")
     spoof = STATE.spoof_free_memory.set(True)
     flattening = STATE.flattening.set((self, settings))
     try:
@@ -64,8 +66,12 @@ def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, p
     from ztriton.flatten import flatten_groups  # imports triton: on first use only
 
     options = settings.options
-    (flat,) = flatten_groups([tensor_list], group, parameter_alignment=self.parameter_alignment,
-                             headroom_bytes=options.headroom_bytes, chunk_bytes=options.chunk_bytes)
+    (flat,), seconds, peak = report.timed(lambda: flatten_groups(
+        [tensor_list], group, parameter_alignment=self.parameter_alignment, headroom_bytes=options.headroom_bytes,
+        chunk_bytes=options.chunk_bytes))
+    report.step_summary(f"ZeRO-1/2 flatten, group {index}", tier=flat.tier,
+                        nbytes=flat.flat.numel() * flat.flat.element_size(), seconds=seconds, peak_bytes=peak,
+                        params=len(tensor_list))
     return flat.flat
 
 
@@ -91,4 +97,20 @@ def stage3_defragment(original, tensors):
         return original(tensors)
     from ztriton.defragmenting import defragment  # imports triton: on first use only
 
-    return defragment(tensors, headroom_bytes=settings.options.headroom_bytes)
+    report.banner("partition_backend='triton': the ZeRO-3 optimizer's flat partition buffer is built by "
+                  "ztriton.defragment")
+    first = tensors[0].untyped_storage().data_ptr() if tensors else None
+    flat, seconds, peak = report.timed(lambda: defragment(tensors, headroom_bytes=settings.options.headroom_bytes))
+    # defragment returns only the buffer (its tier is in the ztriton log): say whether anything moved
+    moved = "in place" if flat.numel() == 0 or flat.untyped_storage().data_ptr() == first else "packed"
+    report.step_summary("ZeRO-3 lp_param_buffer (defragment)", tier=moved,
+                        nbytes=flat.numel() * flat.element_size(), seconds=seconds, peak_bytes=peak,
+                        tensors=len(tensors))
+    return flat
+
+
+def engine_do_sanity_check(original, self, *args, **kwargs):
+    """``DeepSpeedEngine._do_sanity_check``: every engine passes here once its config is read."""
+    out = original(self, *args, **kwargs)
+    warn_if_no_effect(settings_from(self._config), self.zero_optimization_stage())
+    return out

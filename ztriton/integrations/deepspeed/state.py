@@ -29,7 +29,6 @@ class InitState:
     options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
     done_bytes: int = 0
     done_params: int = 0
-    host_created: int = 0  # tensors its constructors created in host memory
 
 
 @dataclass

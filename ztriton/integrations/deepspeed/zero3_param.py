@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ztriton.comm import world_of
+from ztriton.integrations.deepspeed import report
 from ztriton.policy import Options
 
 if TYPE_CHECKING:
@@ -50,7 +51,13 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
                          "for NVMe offload use deepspeed.zero.Init")
     world = world_of(group, required=True)
     options = Options.of(headroom_bytes=headroom_bytes, chunk_bytes=chunk_bytes)
-    named = [(n, p) for n, p in module.named_parameters() if not is_zero3_param(p)]
+    everything = list(module.named_parameters())
+    named = [(n, p) for n, p in everything if not is_zero3_param(p)]
+    if everything and not named:
+        raise ValueError(f"ztriton.partition: every parameter of this {type(module).__name__} ({len(everything)}) is "
+                         "already a ZeRO-3 parameter (an earlier ztriton.partition or deepspeed.zero.Init); "
+                         "partition a module once and pass it on to deepspeed.initialize (a module to which new "
+                         "parameters were added since is fine: only those are partitioned)")
     context = zero3_context(group, remote_device, pin_memory, config)
     reason = unsupported_reason(context)
     if reason is not None:
@@ -59,9 +66,14 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
     from ztriton.partitioning import partition_params  # imports triton: on first use only
 
     local = torch.device(context.local_device)
-    result = partition_params(named, world, home=torch.device("cpu") if remote_device == "cpu" else local,
-                              probe_device=local, pin_memory=pin_memory, options=options)
+    result, seconds, peak = report.timed(lambda: partition_params(
+        named, world, home=torch.device("cpu") if remote_device == "cpu" else local, probe_device=local,
+        pin_memory=pin_memory, options=options))
     install_partitions(context, result)
+    report.step_summary("ztriton.partition", tier=result.path.value,
+                        nbytes=sum(b.numel() * b.element_size() for b in result.buffers.values()),
+                        seconds=seconds, peak_bytes=peak, params=len(named),
+                        partitions_on=remote_device or local.type)
     return result
 
 

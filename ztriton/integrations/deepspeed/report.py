@@ -1,0 +1,145 @@
+"""What the user sees when the key takes effect: lines in DeepSpeed's own log, and progress bars.
+
+* :func:`banner` -- one line when ``"partition_backend": "triton"`` takes effect somewhere (once per
+  process and message), :func:`step_summary` -- one line per step (what moved, tier, bytes, time,
+  peak), :func:`warn_once` -- a warning about the config, once per process and message.
+* :func:`progress` -- a tqdm bar for long work (a loader over many GiB, host tiers).
+
+Every line goes to rank 0 only, through DeepSpeed's logger (``deepspeed.utils.logger``, its
+``[date] [INFO] [file:line:function]`` format on stdout), so ztriton's lines sit among DeepSpeed's
+own. DeepSpeed 0.19.8 sets that logger to WARNING unless the config has ``"log_level"``; a user who
+turned the key on should still see that it ran, so banners and summaries are INFO records handed to
+DeepSpeed's handlers whenever the logger shows warnings (its default), and are silenced with it
+(``"log_level": "error"``, or ``logging.getLogger("DeepSpeed").setLevel(logging.ERROR)``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from ztriton.memory import format_bytes
+
+__all__ = ["banner", "format_seconds", "progress", "step_summary", "timed", "warn_once"]
+
+_said: set[str] = set()  # banners and warnings already logged by this process
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _deepspeed_logger() -> logging.Logger:
+    from deepspeed.utils import logger
+
+    return logger
+
+
+def _emit(level: int, message: str, stacklevel: int) -> None:
+    """Hand ``message`` to DeepSpeed's logger's handlers as a record at ``level``, attributed to the
+    caller ``stacklevel`` frames up (so the line names the ztriton function that did the work). The
+    ``ztriton`` logger gets it too (marked ``ztriton_report``), so that its log is complete."""
+    logging.getLogger("ztriton").log(level, message, extra={"ztriton_report": True}, stacklevel=stacklevel + 1)
+    logger = _deepspeed_logger()
+    if not logger.isEnabledFor(max(level, logging.WARNING)):
+        return  # the user silenced DeepSpeed (and with it, us)
+    frame = sys._getframe(stacklevel)
+    record = logger.makeRecord(logger.name, level, frame.f_code.co_filename, frame.f_lineno, message, (), None,
+                               frame.f_code.co_name)
+    if level >= logger.getEffectiveLevel() or not logger.handlers:
+        logger.handle(record)
+    else:  # DeepSpeed's default level (WARNING) hides INFO records: its handlers show ours all the same
+        for handler in logger.handlers:
+            handler.handle(record)
+
+
+def banner(message: str) -> None:
+    """One INFO line on rank 0, once per process: the key took effect (``message`` says where)."""
+    if message in _said or not _is_rank0():
+        return
+    _said.add(message)
+    _emit(logging.INFO, f"ztriton: {message}", stacklevel=2)
+
+
+def warn_once(message: str) -> None:
+    """One WARNING line on rank 0, once per process (a config that looks wrong: every rank has it)."""
+    if message in _said or not _is_rank0():
+        return
+    _said.add(message)
+    _emit(logging.WARNING, f"ztriton: {message}", stacklevel=2)
+
+
+def format_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float, peak_bytes: int | None,
+                 **extra: Any) -> str:
+    """One INFO line on rank 0 for one step of work: what moved (``step``), the tier or path it took, how
+    many bytes, how long, the peak device memory above the step's start (None: not measured, e.g. on the
+    CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it."""
+    tier = getattr(tier, "value", tier)  # an enum (ztriton.policy.Tier) reads as its name
+    rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
+    peak = "n/a" if peak_bytes is None else format_bytes(peak_bytes)
+    details = "".join(f", {key}={value}" for key, value in extra.items())
+    line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {format_seconds(seconds)}{rate}, "
+            f"peak device {peak}{details}")
+    if _is_rank0():
+        _emit(logging.INFO, line, stacklevel=2)
+    return line
+
+
+def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
+    """``work()``, its wall seconds (device synchronised) and the peak device memory it added above what
+    was allocated at its start (None without CUDA). Peak statistics are reset: DeepSpeed's own
+    ``see_memory_usage`` resets them between its steps as well."""
+    import torch
+
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        return work(), time.perf_counter() - start, None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = work()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
+
+
+class _Progress:
+    """What :func:`progress` returns: ``update(nbytes)``; a no-op where no bar is shown."""
+
+    def __init__(self, bar):
+        self._bar = bar
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def progress(total_bytes: int, desc: str, *, force: bool | None = None) -> _Progress:
+    """A tqdm bar over ``total_bytes`` on rank 0: ``with progress(n, "loading") as bar: bar.update(k)``.
+
+    Shown on rank 0 when stderr is a terminal; ``force=True`` (or ``ZTRITON_PROGRESS=1``) shows it anyway
+    (a log file), ``force=False`` (or ``ZTRITON_PROGRESS=0``) never. Other ranks get a no-op."""
+    if force is None and os.environ.get("ZTRITON_PROGRESS") in ("0", "1"):
+        force = os.environ["ZTRITON_PROGRESS"] == "1"
+    show = _is_rank0() and (force if force is not None else sys.stderr.isatty())
+    if not show:
+        return _Progress(None)
+    from tqdm import tqdm  # a DeepSpeed dependency
+
+    return _Progress(tqdm(total=total_bytes, desc=f"ztriton: {desc}", unit="B", unit_scale=True, unit_divisor=1024,
+                          file=sys.stderr, leave=False, dynamic_ncols=True))
