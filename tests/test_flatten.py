@@ -691,7 +691,7 @@ def _gpu_params(dtype=torch.bfloat16):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", TIERS, ids=[t.value for t in TIERS])
 def test_tiers_on_gpu(tier):
-    """Each tier on CUDA params (W = 4 on the fake process group): bytes, aliasing, pinned evictions."""
+    """Each tier on CUDA params (W = 4 on the fake process group): bytes, aliasing, pageable host copies."""
     params = _gpu_params()
     values = [p.detach().cpu() for p in params]
     layout = zero12_group_layout([v.numel() for v in values], 4, element_size=2,
@@ -700,8 +700,8 @@ def test_tiers_on_gpu(tier):
     pinned = []
     real_host_empty = F.host_empty
 
-    def host_empty(*args):
-        buf = real_host_empty(*args)
+    def host_empty(*args, **kwargs):
+        buf = real_host_empty(*args, **kwargs)
         pinned.append(buf.is_pinned())
         return buf
 
@@ -716,8 +716,8 @@ def test_tiers_on_gpu(tier):
         assert p.is_cuda and p.shape == values[j].shape
         assert p.data_ptr() == fg.flat.data_ptr() + fg.offsets[k] * 2
     assert params[-1].data_ptr() != 0 and torch.equal(bits(params[-1].cpu()), bits(values[-1]))
-    if tier in (Tier.EVICT, Tier.HOST):
-        assert pinned and all(pinned)
+    if tier in (Tier.EVICT, Tier.HOST):  # host copies are pageable; every transfer goes through the staging ring
+        assert pinned and not any(pinned)
 
 
 @pytest.mark.gpu

@@ -194,7 +194,9 @@ def _checksum(g: Group) -> int:
     """A checksum of the group's values, position-weighted per param (the same values on every rank
     give the same number; different random initialisations almost surely do not). Reads the params
     once, in place; one device synchronisation."""
-    sums = [_bits(p.detach()).sum(dtype=torch.int64) for p in g.params]
+    # Summed in the elements' own integer width (wrapping): asking for an int64 sum makes torch cast the whole
+    # param to int64 first, a 4x temporary exactly when device memory is short.
+    sums = [_bits(p.detach()).sum(dtype=_bits(p.detach()).dtype).to(torch.int64) for p in g.params]
     total = 0
     for k, value in enumerate(torch.stack(sums).tolist() if sums else []):
         total = (total + (k + 1) * (value % _CHECKSUM_MOD)) % _CHECKSUM_MOD

@@ -24,7 +24,8 @@ class PhiloxState:
         return PhiloxState(self.seed, self.offset + offsets)
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([self.seed, self.offset], dtype=torch.int64).view(torch.uint8)
+        # device= given: inside zero.Init, DeepSpeed sends a constructor call without one to the accelerator
+        return torch.tensor([self.seed, self.offset], dtype=torch.int64, device="cpu").view(torch.uint8)
 
     @staticmethod
     def decode(raw: torch.Tensor) -> "PhiloxState":
