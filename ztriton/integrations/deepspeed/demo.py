@@ -45,29 +45,19 @@ WARMUP_SHAPE = MoEShape(hidden=64, ffn=32, experts=4, layers=1, vocab=64)  # com
 
 
 class Weights(torch.nn.Module):
-    """Parameters of the given shapes, filled in ``__init__`` with values that do not depend on the
-    device they were created on (so the two paths can be compared bit for bit even though, with the
-    key, the large ones start in host memory). Under ``zero.Init`` each module is partitioned as soon
-    as its own ``__init__`` returns, hence one module per group of params and the fill inside it."""
+    """Parameters of the given shapes, initialised in ``__init__`` as a model does (``nn.init.normal_``
+    from a seeded generator). With the key, the large ones are exact-sharded-init placeholders: each
+    rank draws only its own slice, and the values equal DeepSpeed's bit for bit. Under ``zero.Init``
+    each module is partitioned as soon as its own ``__init__`` returns, hence one module per group of
+    params and the init inside it."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int):
         super().__init__()
-        for index, (name, shape) in enumerate(shapes.items()):
+        torch.manual_seed(seed)  # each module's values independent of what was built before it
+        for name, shape in shapes.items():
             param = torch.nn.Parameter(torch.empty(shape))
-            _fill(param.data, seed * 1000 + index)
+            torch.nn.init.normal_(param, std=0.02)
             self.register_parameter(name, param)
-
-
-def _fill(data: torch.Tensor, seed: int, chunk: int = 1 << 24) -> None:
-    """Deterministic pseudo-random values in +-0.01 from exact integer arithmetic, chunk by chunk (so
-    no full-size int64 transient lands on the device)."""
-    flat = data.view(-1)
-    with torch.no_grad():
-        for start in range(0, flat.numel(), chunk):
-            n = min(chunk, flat.numel() - start)
-            idx = torch.arange(start, start + n, device=flat.device, dtype=torch.int64)
-            ints = (idx * 2654435761 + seed * 97) % 65521 - 32760
-            flat[start:start + n] = (ints.to(torch.float32) * (0.01 / 32760)).to(flat.dtype)
 
 
 class MoEModel(torch.nn.Module):
