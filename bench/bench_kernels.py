@@ -5,6 +5,12 @@ tail alignment of (a) 200 x 32 MiB, (b) 2,000 log-uniform 4 KiB..64 MiB and (c) 
 each against torch copy bandwidth and, for (c), DeepSpeed's on-device flatten; one rank's 1/8 window
 of (b); a transposed 32768 x 32768 bf16 source. Bytes counted are read plus written. Every result is
 checked bit for bit before it is timed.
+
+``--planning`` times only the host side (validation and launch tables, no launch) of the (b) pack, its
+window and the LLM mix, and counts the kernel variants (constexpr and pointer-alignment classes, each
+a compile or cache load in a fresh process) a plan needs. It runs on CPU too (under TRITON_INTERPRET=1),
+with the shapes scaled down so that nothing large is allocated: planning cost depends on the number
+of tensors, not their sizes. On a GPU it uses the real shapes.
 """
 from __future__ import annotations
 
@@ -180,12 +186,72 @@ def bench_transposed(figures, copy_bw, sweep_on):
           flush=True)
 
 
+def kernel_variants(plans) -> set:
+    """The distinct (kernel, constexprs, 16-byte alignment of each pointer argument) of ``plans``'
+    launches: triton's specialisation key for our kernels, whose integer argument is not specialised."""
+    keys = set()
+    for plan in plans:
+        for kernel, _, args, kwargs in plan.launches:
+            aligned = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+            keys.add((getattr(kernel, "__name__", None) or kernel.fn.__name__,
+                      tuple(sorted((k, str(v)) for k, v in kwargs.items())), aligned))
+    return keys
+
+
+def bench_planning(figures) -> None:
+    import time
+
+    def best_ms(fn, n=30):
+        fn()
+        best = float("inf")
+        for _ in range(n):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    b = log_uniform_mix() if gpu else [[max(1, s[0] // 64)] for s in log_uniform_mix()]
+    llm = llm_mix() if gpu else [[256, 256]] * 200 + [[256]] * 400 + [[151936 // 16, 256]] * 2
+    for name, shapes in (("b_2000_loguniform", b), ("llm_mix_602", llm)):
+        numels = [int(torch.Size(s).numel()) for s in shapes]
+        if gpu:
+            params = make_params(shapes)
+        else:  # views of one small base: sources may share memory (only dst must not)
+            base = torch.zeros(max(numels), dtype=DTYPE, device=device)
+            params = [base[:n].view(s) for n, s in zip(numels, shapes)]
+        layout, offsets = group_layout(params)
+        flat = torch.empty(layout.total_numel, dtype=DTYPE, device=device)
+        w0, w1 = layout.rank_window(3)
+        window = torch.empty(w1 - w0, dtype=DTYPE, device=device)
+        plans = [pack_plan(flat, params, offsets)] + [pack_plan(torch.empty(layout.partition_numel, dtype=DTYPE, device=device),
+                                                                params, offsets, window=layout.rank_window(r))
+                                                      for r in range(WORLD)]
+        entry = {"tensors": len(params), "real_shapes": gpu,
+                 "plan_ms": best_ms(lambda: pack_plan(flat, params, offsets)),
+                 "window_plan_ms": best_ms(lambda: pack_plan(window, params, offsets, window=(w0, w1))),
+                 "kernel_variants_full_and_8_windows": len(kernel_variants(plans))}
+        figures[f"planning_{name}"] = entry
+        print(f"planning {name:20s} full {entry['plan_ms']:.2f} ms, 1/8 window {entry['window_plan_ms']:.2f} ms, "
+              f"{entry['kernel_variants_full_and_8_windows']} kernel variant(s) over the full pack and the 8 windows",
+              flush=True)
+        del params, flat, window, plans
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--sweep", action="store_true", help="also sweep launch parameters on (b) and (c)")
     parser.add_argument("--name", default="kernels_h200")
+    parser.add_argument("--planning", action="store_true", help="only the host cost of planning (CPU or GPU)")
     args = parser.parse_args()
+    if args.planning:
+        figures = {}
+        bench_planning(figures)
+        if torch.cuda.is_available():
+            print("wrote", write_result(args.name + "_planning", figures, args.out))
+        return
     copy_bw = torch_copy_gbps(2 << 30)
     figures = {"torch_copy_gbps": copy_bw}
     print(f"torch copy_: {copy_bw:.0f} GB/s", flush=True)

@@ -32,7 +32,10 @@ def _find_part(first_ptr, n_parts, pid):
     return lo
 
 
-@triton.jit
+# n_parts is not specialised: triton would otherwise compile one variant for n_parts == 1 and one for
+# multiples of 16 (integer arguments' value classes), multiplying the first-call compiles by three for
+# a value the kernels only search over.
+@triton.jit(do_not_specialize=["n_parts"])
 def _copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, VEC: tl.constexpr,
                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, STREAM: tl.constexpr):
     """Move one ``CHUNK``-word chunk of one part: copy from ``src_addr``, or zeros if it is 0.
@@ -68,7 +71,7 @@ def _copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexp
                 tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])
 def _gather_tile_kernel(desc_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, MAX_DIMS: tl.constexpr,
                         DESC_HEAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                         P_UNIT: tl.constexpr, C_UNIT: tl.constexpr, SRC_ALIGN: tl.constexpr,

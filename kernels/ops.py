@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from .plan import Piece, Plan, Tuning, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
+from .plan import Piece, Plan, Tuning, as_index, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
 
 __all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]
 
@@ -21,15 +21,22 @@ def copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int 
     ``src`` may have any shape and strides (transposed, sliced, expanded, offset); it is read in
     place, never made contiguous. ``dst`` is contiguous, for example a view into a larger buffer;
     ``count`` defaults to ``dst.numel()``. Returns ``dst``.
+
+    Every launch function refuses bad arguments (non-integer sizes, a lone tensor for a list, meta or
+    sparse tensors, CPU tensors outside Triton's interpreter) with a TypeError or ValueError naming
+    the argument, before any byte is written.
     """
-    run_plan(dst, [chunk_piece(src, dst, start, count)])
+    run_plan(dst, [chunk_piece(src, dst, start, count)], what="src")
     return dst
 
 
 def chunk_piece(src: torch.Tensor, dst: torch.Tensor, start: int, count: int | None) -> Piece:
     """The one piece of :func:`copy_chunk` (``count`` defaults to all of ``dst``)."""
     check_dst(dst)
-    count = dst.numel() if count is None else count
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
+    start = as_index("start", start)
+    count = dst.numel() if count is None else as_index("count", count)
     if count > dst.numel():
         raise ValueError(f"count={count} exceeds dst's {dst.numel()} elements")
     return Piece(src, start, count, 0)
@@ -58,5 +65,5 @@ def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int
 
     For one rank's ZeRO-3 slices of many params into one per-rank buffer. Returns ``dst``.
     """
-    run_plan(dst, *slices_to_pieces(dst, slices))
+    run_plan(dst, *slices_to_pieces(dst, slices), what="slices")
     return dst

@@ -8,34 +8,119 @@ source and destination agree modulo 16, narrower words otherwise); strided piece
 the gather table. A plan costs at most one launch per alignment class plus one gather launch,
 whatever the number of tensors.
 
-All sizes are element counts and all offsets int64; nothing here knows about ZeRO.
+All sizes are element counts and all offsets int64; nothing here knows about ZeRO. Every argument is
+checked (types first, then ranges) before any byte is written; the per-piece work is one tight loop
+and the rest numpy columns, because a ZeRO-2 flatten plans hundreds to thousands of tensors per call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import operator
+import threading
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
-__all__ = ["Piece", "Plan", "Tuning", "byte_extent", "check_dst", "make_plan", "pack_pieces", "run_plan",
-           "slices_to_pieces", "uncovered", "validate"]
+__all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "check_dst",
+           "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]
 
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
+# triton decides when a kernel is decorated (at its first import) whether it runs under the
+# interpreter (TRITON_INTERPRET=1); the environment variable read later could say otherwise.
+INTERPRETED = not isinstance(_copy_words_kernel, JITFunction)
+# The interpreter patches triton.language module-wide during a launch: two launches at once from two
+# threads would undo each other's patches. Launches under it take turns.
+_INTERPRETER_LOCK = threading.Lock()
+# Every size and offset must stay below this, so that a sum of two still fits in int64.
+_INDEX_LIMIT = 2**62
 
-@dataclass(frozen=True)
-class Piece:
+
+class Piece(NamedTuple):
     """Elements ``[start, start + count)`` of ``src``'s row-major flattening go to ``dst[offset:]``."""
 
     src: torch.Tensor
     start: int
     count: int
     offset: int
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels can launch on tensors of ``device``: CUDA, or CPU under the interpreter."""
+    return device.type == "cuda" or (INTERPRETED and device.type == "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types: integers are integers, sequences are sequences, tensors are dense tensors with data.
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def as_index(name: str, value: object) -> int:
+    """``value`` as a Python int (an int, a numpy integer or an integer 0-d tensor), else a TypeError
+    naming ``name``: a float would be truncated and a bool is not a count. ValueError if it is too
+    large for int64 arithmetic."""
+    if type(value) is not int:
+        if isinstance(value, (bool, np.bool_)) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, got the bool {value!r}")
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {_show(value)}") from None
+    if not -_INDEX_LIMIT < value < _INDEX_LIMIT:
+        raise ValueError(f"{name}={value} is out of range: sizes and offsets must be below 2**62")
+    return value
+
+
+def as_sequence(name: str, value: object) -> Sequence:
+    """``value`` if it is a list, tuple (or another sequence, or a 1-D array), else a TypeError naming
+    ``name``; a lone tensor is refused rather than iterated over its first dim."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a list or tuple, got a torch.Tensor; wrap a single tensor in a list: [tensor]")
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list or tuple, got {type(value).__name__} {_show(value)}")
+    return value
+
+
+def _int64_column(values: list, name) -> np.ndarray:
+    """``values`` (ints) as int64, or a ValueError naming the first one out of range (``name(i)``)."""
+    try:
+        column = np.array(values, dtype=np.int64)
+        if len(column) == 0 or (np.abs(column).max() < _INDEX_LIMIT):
+            return column
+    except OverflowError:
+        pass
+    for i, v in enumerate(values):
+        if not -_INDEX_LIMIT < v < _INDEX_LIMIT:
+            raise ValueError(f"{name(i)}={v} is out of range: sizes and offsets must be below 2**62")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_tensor(name: str, t: object) -> None:
+    """A dense tensor that holds values: not sparse, not meta, no lazy conjugate or negation bit."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__} {_show(t)}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} has layout {t.layout}; the kernels move dense (strided) tensors: pass "
+                        "tensor.to_dense()")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and holds no values; materialise it first "
+                         "(e.g. module.to_empty(device=...) and load its weights)")
+    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
+        raise ValueError(f"{name} is a lazy conjugate (or negated) view whose memory holds other values; "
+                         "pass tensor.resolve_conj().resolve_neg()")
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,8 +136,7 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def check_dst(dst: torch.Tensor) -> None:
-    if not isinstance(dst, torch.Tensor):
-        raise TypeError(f"dst must be a torch.Tensor, got {type(dst).__name__}")
+    _check_tensor("dst", dst)
     if not dst.is_contiguous():
         raise ValueError(f"dst must be contiguous (shape {tuple(dst.shape)}, strides {dst.stride()}); "
                          "pass a contiguous buffer or a contiguous view of one")
@@ -76,34 +160,53 @@ class _Sources:
     local: np.ndarray  # on dst's device (only those can overlap dst in memory)
 
 
-def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool) -> _Sources:
-    """Check each piece's type, dtype and (if ``same_device``) device, and collect its sizes and memory extent."""
-    columns = [[] for _ in range(6)]
-    contiguous, local = [], []
+def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool, what: str) -> _Sources:
+    """Check each piece's types, dtype and (if ``same_device``) device, and collect its sizes and memory extent.
+
+    One pass, a few attribute reads per piece: this loop is most of a plan's host time.
+    """
+    dtype, device, itemsize = dst.dtype, dst.device, dst.element_size()
+    conj_possible = dtype.is_complex
+    rows, contiguous, local = [], [], []
     for i, piece in enumerate(pieces):
-        src = piece.src
-        if not isinstance(src, torch.Tensor):
-            raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__}")
-        if src.dtype != dst.dtype:
-            raise TypeError(f"sources[{i}] has dtype {src.dtype} but dst has dtype {dst.dtype}; "
+        if not isinstance(piece, tuple) or len(piece) != 4:
+            raise TypeError(f"{what}[{i}] must be a Piece (src, start, count, offset), got {_show(piece)}")
+        src, start, count, offset = piece
+        if not isinstance(src, torch.Tensor) or src.layout is not torch.strided:
+            _check_tensor(f"{what}[{i}]", src)
+        if src.dtype != dtype:
+            raise TypeError(f"{what}[{i}] has dtype {src.dtype} but dst has dtype {dtype}; "
                             "kernels move bits and never convert: cast the source first")
-        if same_device and src.device != dst.device:
-            raise ValueError(f"sources[{i}] is on {src.device} but dst is on {dst.device}; "
-                             "move one of them so both are on the same device")
+        if conj_possible:
+            _check_tensor(f"{what}[{i}]", src)
+        src_device = src.device
+        on_dst = src_device == device
+        if not on_dst:
+            if src_device.type == "meta":
+                _check_tensor(f"{what}[{i}]", src)
+            if same_device:
+                raise ValueError(f"{what}[{i}] is on {src_device} but dst is on {device}; "
+                                 "move one of them so both are on the same device")
+        if type(start) is not int:
+            start = as_index(f"{what}[{i}] start", start)
+        if type(count) is not int:
+            count = as_index(f"{what}[{i}] count", count)
+        if type(offset) is not int:
+            offset = as_index(f"{what}[{i}] offset", offset)
+        numel = src.numel()
         dense = src.is_contiguous()
         if dense:
             lo = src.data_ptr()
-            hi = lo + src.numel() * src.element_size()
+            hi = lo + numel * itemsize
         else:
             lo, hi = byte_extent(src)
             sizes, strides = _merged_dims(src)
             dense = len(sizes) == 1 and strides[0] == 1
-        for column, value in zip(columns, (piece.start, piece.count, piece.offset, src.numel(), lo, hi)):
-            column.append(value)
+        rows += (start, count, offset, numel, lo, hi)
         contiguous.append(dense)
-        local.append(src.device == dst.device)
-    arrays = [np.array(c, dtype=np.int64) for c in columns]
-    return _Sources(*arrays, contiguous=np.array(contiguous, dtype=bool), local=np.array(local, dtype=bool))
+        local.append(on_dst)
+    columns = _int64_column(rows, lambda k: f"{what}[{k // 6}] (start, count, offset)").reshape(-1, 6).T
+    return _Sources(*columns, contiguous=np.array(contiguous, dtype=bool), local=np.array(local, dtype=bool))
 
 
 def _first(mask: np.ndarray) -> int | None:
@@ -111,21 +214,22 @@ def _first(mask: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def _check_ranges(srcs: _Sources, dst: torch.Tensor) -> None:
+def _check_ranges(srcs: _Sources, dst: torch.Tensor, what: str) -> None:
     """Source ranges inside their sources, destination ranges inside dst, no source memory in dst."""
     end = srcs.start + srcs.count
     i = _first((srcs.start < 0) | (srcs.count < 0) | (end > srcs.numel))
     if i is not None:
-        raise ValueError(f"sources[{i}]: range [{int(srcs.start[i])}, {int(end[i])}) is outside its "
-                         f"{int(srcs.numel[i])} elements")
+        raise ValueError(f"{what}[{i}]: start={int(srcs.start[i])}, count={int(srcs.count[i])}: range "
+                         f"[{int(srcs.start[i])}, {int(end[i])}) is outside its {int(srcs.numel[i])} elements")
     i = _first((srcs.offset < 0) | (srcs.offset + srcs.count > dst.numel()))
     if i is not None:
-        raise ValueError(f"sources[{i}]: destination range [{int(srcs.offset[i])}, "
-                         f"{int(srcs.offset[i] + srcs.count[i])}) does not fit in dst of {dst.numel()} elements")
+        raise ValueError(f"{what}[{i}]: offset={int(srcs.offset[i])}, count={int(srcs.count[i])}: destination range "
+                         f"[{int(srcs.offset[i])}, {int(srcs.offset[i] + srcs.count[i])}) does not fit in dst of "
+                         f"{dst.numel()} elements")
     dst_lo, dst_hi = byte_extent(dst)
     i = _first(srcs.local & (srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo))
     if i is not None:
-        raise ValueError(f"sources[{i}] overlaps dst in memory (source bytes [{int(srcs.lo[i]):#x}, "
+        raise ValueError(f"{what}[{i}] overlaps dst in memory (source bytes [{int(srcs.lo[i]):#x}, "
                          f"{int(srcs.hi[i]):#x}), dst bytes [{dst_lo:#x}, {dst_hi:#x})); copy from a separate buffer")
 
 
@@ -144,6 +248,26 @@ def _check_disjoint(begin: np.ndarray, end: np.ndarray, names) -> None:
         a, b = int(order[np.argmax(end[order][:k + 1])]), int(order[k + 1])
         raise ValueError(f"{names(a)} (dst [{int(begin[a])}, {int(end[a])})) and {names(b)} "
                          f"(dst [{int(begin[b])}, {int(end[b])})) overlap in dst")
+
+
+def _zero_ranges(zero_ranges, dst: torch.Tensor) -> np.ndarray:
+    """``(offset, count)`` pairs as an ``[n, 2]`` int64 array, each inside dst."""
+    if isinstance(zero_ranges, np.ndarray) and zero_ranges.dtype == np.int64 and zero_ranges.ndim == 2:
+        zeros = zero_ranges  # built here (pack_pieces, slices_to_pieces): already integers
+    else:
+        pairs = as_sequence("zero_ranges", zero_ranges)
+        flat = []
+        for i, pair in enumerate(pairs):
+            pair = as_sequence(f"zero_ranges[{i}]", pair)
+            if len(pair) != 2:
+                raise ValueError(f"zero_ranges[{i}] must be (offset, count), got {_show(pair)}")
+            flat += [as_index(f"zero_ranges[{i}] offset", pair[0]), as_index(f"zero_ranges[{i}] count", pair[1])]
+        zeros = np.array(flat, dtype=np.int64).reshape(-1, 2)
+    i = _first((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (zeros.sum(1) > dst.numel()))
+    if i is not None:
+        o, c = int(zeros[i, 0]), int(zeros[i, 1])
+        raise ValueError(f"zero range [{o}, {o + c}) does not fit in dst of {dst.numel()} elements")
+    return zeros
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,16 +327,17 @@ def _split_by_unit(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: i
 
 
 def _word_parts(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, unit: int, base: int,
-                chunk_words: int) -> tuple[torch.Tensor, int]:
-    """One int64 table: rows ``[src_addr, dst word offset, words]``, then the prefix sum of the
-    programs (chunks of ``chunk_words``) each row needs; and the total number of programs."""
+                chunk_words: int) -> tuple[torch.Tensor, int, int]:
+    """One int64 table: rows ``[src_addr, dst word offset, words]``, then (from the returned index) the
+    prefix sum of the programs (chunks of ``chunk_words``) each row needs; and the total number of programs."""
     word = _word_bytes(unit)
     words = nbytes // word
     chunks = (words + chunk_words - 1) // chunk_words
     first = np.zeros(len(src) + 1, dtype=np.int64)
     np.cumsum(chunks, out=first[1:])
     rows = np.stack([src, (dst - base) // word, words], axis=1).reshape(-1)
-    return torch.from_numpy(np.concatenate([rows, first])), int(first[-1])
+    table, at = _with_first_aligned(rows, first)
+    return torch.from_numpy(table), at, int(first[-1])
 
 
 def _word_bytes(unit: int) -> int:
@@ -335,13 +460,34 @@ class Tuning:
 class Plan:
     """Launches that carry out one copy; reusable while its tensors stay where they are.
 
-    It keeps the source tensors referenced: the tables name them only by address.
+    It keeps the source tensors referenced: the tables name them only by address. On CUDA the tables
+    were uploaded on ``stream`` (the stream current when the plan was made); a launch runs on the
+    stream current at launch time, on dst's device.
     """
 
     launches: list
     keep_alive: list
+    tables: list = field(default_factory=list)
+    stream: Any = None
 
     def launch(self) -> None:
+        if self.stream is None:  # CPU, under the interpreter
+            with _INTERPRETER_LOCK if INTERPRETED else nullcontext():
+                self._launch_all()
+            return
+        device = self.stream.device
+        with torch.cuda.device(device) if torch.cuda.current_device() != device.index else nullcontext():
+            current = torch.cuda.current_stream(device)
+            if current != self.stream:
+                # Launched on another stream than the tables' upload: wait for the upload, and keep
+                # the tables' memory from being reused on the upload stream while this one reads it.
+                current.wait_stream(self.stream)
+                for table in self.tables:
+                    table.record_stream(current)
+            with _INTERPRETER_LOCK if INTERPRETED else nullcontext():
+                self._launch_all()
+
+    def _launch_all(self) -> None:
         for kernel, grid, args, kwargs in self.launches:
             kernel[grid](*args, **kwargs)
 
@@ -357,32 +503,70 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
+def _with_first_aligned(rows: np.ndarray, first: np.ndarray) -> tuple[np.ndarray, int]:
+    """``rows`` then ``first`` in one int64 table, ``first`` starting on a 16-byte boundary, and where.
+
+    Triton compiles a separate kernel for a pointer argument that is 16-byte aligned and one that is
+    not: an odd number of int64 rows would make the prefix-sum pointer a second variant.
+    """
+    at = len(rows) + len(rows) % 2
+    table = np.zeros(at + len(first), dtype=np.int64)
+    table[:len(rows)] = rows
+    table[at:] = first
+    return table, at
+
+
 def validate(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-             same_device: bool = True) -> tuple[_Sources, np.ndarray]:
-    """Every check of a copy, before any byte is written: ``dst`` contiguous, each piece's dtype (and,
-    with ``same_device``, device), ranges inside their tensors, no source memory inside ``dst``, no two
-    destination ranges overlapping. Returns the pieces' facts and the zero ranges as an ``[n, 2]`` array."""
+             same_device: bool = True, what: str = "sources") -> tuple[_Sources, np.ndarray]:
+    """Every check of a copy, before any byte is written: ``dst`` a contiguous dense tensor, each piece's
+    types, dtype (and, with ``same_device``, device), ranges inside their tensors, no source memory
+    inside ``dst``, no two destination ranges overlapping. ``what`` names the pieces in errors (the
+    caller's argument). Returns the pieces' facts and the zero ranges as an ``[n, 2]`` array."""
     check_dst(dst)
-    srcs = _gather_sources(pieces, dst, same_device)
-    _check_ranges(srcs, dst)
-    zeros = np.array(list(zero_ranges), dtype=np.int64).reshape(-1, 2)
-    i = _first((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (zeros.sum(1) > dst.numel()))
-    if i is not None:
-        o, c = zero_ranges[i]
-        raise ValueError(f"zero range [{o}, {o + c}) does not fit in dst of {dst.numel()} elements")
+    pieces = as_sequence(what, pieces)
+    srcs = _gather_sources(pieces, dst, same_device, what)
+    _check_ranges(srcs, dst, what)
+    zeros = _zero_ranges(zero_ranges, dst)
     n = len(pieces)
     _check_disjoint(np.concatenate([srcs.offset, zeros[:, 0]]), np.concatenate([srcs.offset + srcs.count, zeros.sum(1)]),
-                    lambda k: f"sources[{k}]" if k < n else "a pad range")
+                    lambda k: f"{what}[{k}]" if k < n else "a pad range")
     return srcs, zeros
 
 
+def _check_launchable(dst: torch.Tensor) -> None:
+    if not runs_on(dst.device):
+        raise ValueError(
+            f"dst is on {dst.device}, where the Triton kernels cannot run: they need a CUDA device, or CPU tensors "
+            "under Triton's interpreter (set the environment variable TRITON_INTERPRET=1 before triton is first "
+            "imported). For host tensors use the torch reference: ztriton.kernels.torch_pack, torch_pack_slices, "
+            "torch_copy_chunk")
+
+
+def _as_word_pairs(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray):
+    """A copy of 16-byte elements (complex128) as the same copy of twice as many 8-byte ones: the
+    kernels move words of at most 8 bytes per element. Views only, nothing is copied."""
+    def pairs(t: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(t)  # [..., 2] float64, any strides
+
+    pieces = [(pairs(p[0]), 0, 0, 0) for p in pieces]  # sizes: the doubled columns below
+    srcs = _Sources(2 * srcs.start, 2 * srcs.count, 2 * srcs.offset, 2 * srcs.numel, srcs.lo, srcs.hi,
+                    srcs.contiguous, srcs.local)
+    return pairs(dst).view(-1), pieces, srcs, 2 * zeros
+
+
 def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              tuning: Tuning = Tuning()) -> Plan:
+              tuning: Tuning = Tuning(), what: str = "sources") -> Plan:
     """Validate, then build the launches that copy every piece into ``dst`` and zero ``zero_ranges``.
 
     ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
     """
-    srcs, zeros = validate(dst, pieces, zero_ranges)
+    srcs, zeros = validate(dst, pieces, zero_ranges, what=what)
+    _check_launchable(dst)
+    keep_alive = [dst, *(p[0] for p in pieces)]
+    if dst.element_size() not in _INT_FOR_ITEMSIZE:
+        if not dst.dtype.is_complex:
+            raise TypeError(f"dst has dtype {dst.dtype} of {dst.element_size()} bytes, which the kernels do not move")
+        dst, pieces, srcs, zeros = _as_word_pairs(dst, pieces, srcs, zeros)
 
     itemsize = dst.element_size()
     # Kernels address dst from the start of its storage, which the allocator aligns, so that an
@@ -395,81 +579,112 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         np.concatenate([srcs.offset[dense], zeros[:, 0]]) * itemsize + dst.data_ptr(),
         np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
     )
-    launches = []
+    launches, tables = [], []
     for unit, (s, d, nbytes) in sorted(_split_by_unit(*segments, base).items()):
         word = _word_bytes(unit)
-        table, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
+        table, at, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
         table = _to_device(table, dst.device)
-        launches.append((_copy_words_kernel, (programs,), (table, table[3 * len(s):], len(s), storage), dict(
+        tables.append(table)
+        launches.append((_copy_words_kernel, (programs,), (table, table[at:], len(s), storage), dict(
             WORD=_WORD_DTYPES[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
             CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
 
     strided: dict[tuple, list[tuple[list[int], int]]] = {}
-    for piece, is_dense in zip(pieces, srcs.contiguous):
-        if not is_dense and piece.count:
-            desc, tiles = _strided_descriptor(piece, dst.storage_offset(), tuning.tile_p, tuning.tile_c)
-            if tiles:
-                strided.setdefault(_tile_class(desc, dst, tuning.tile_p, tuning.tile_c), []).append((desc, tiles))
+    for i in np.flatnonzero(~srcs.contiguous & (srcs.count > 0)).tolist():
+        piece = Piece(pieces[i][0], int(srcs.start[i]), int(srcs.count[i]), int(srcs.offset[i]))
+        desc, tiles = _strided_descriptor(piece, dst.storage_offset(), tuning.tile_p, tuning.tile_c)
+        if tiles:
+            strided.setdefault(_tile_class(desc, dst, tuning.tile_p, tuning.tile_c), []).append((desc, tiles))
     for (p_unit, c_unit, src_align, dst_align, size_align, small), entries in sorted(strided.items()):
-        tiles = torch.tensor([0] + [t for _, t in entries], dtype=torch.int64).cumsum(0)
-        table = _to_device(torch.cat([torch.tensor([d for d, _ in entries], dtype=torch.int64).reshape(-1), tiles]),
-                           dst.device)
-        launches.append((_gather_tile_kernel, (int(tiles[-1]),),
-                         (table, table[DESC_ROW * len(entries):], len(entries), storage), dict(
+        first = np.zeros(len(entries) + 1, dtype=np.int64)
+        np.cumsum([t for _, t in entries], out=first[1:])
+        table, at = _with_first_aligned(np.array([d for d, _ in entries], dtype=np.int64).reshape(-1), first)
+        table = _to_device(torch.from_numpy(table), dst.device)
+        tables.append(table)
+        launches.append((_gather_tile_kernel, (int(first[-1]),),
+                         (table, table[at:], len(entries), storage), dict(
             WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
             BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
             SIZE_ALIGN=size_align, SMALL=small,
             num_warps=tuning.tile_warps)))
-    return Plan(launches, [dst, *(p.src for p in pieces)])
+    stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
+    return Plan(launches, keep_alive, tables, stream)
 
 
-def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = ()) -> None:
+def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
+             what: str = "sources") -> None:
     """Copy every piece into ``dst`` and write zeros over ``zero_ranges``: :func:`make_plan`, launched."""
-    make_plan(dst, pieces, zero_ranges).launch()
+    make_plan(dst, pieces, zero_ranges, what=what).launch()
+
+
+def _gaps(begin: np.ndarray, end: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``[n, 2]`` (offset, count) of the parts of ``[lo, hi)`` that no ``[begin, end)`` covers."""
+    keep = end > begin
+    begin, end = begin[keep], end[keep]
+    order = np.argsort(begin, kind="stable")
+    begin, end = begin[order], end[order]
+    reach = np.maximum.accumulate(np.concatenate([[lo], end]))  # covered up to, before each range
+    starts = np.concatenate([reach[:-1], reach[-1:]])
+    stops = np.concatenate([begin, [hi]])
+    starts = np.maximum(starts, lo)
+    stops = np.minimum(stops, hi)
+    gap = stops > starts
+    return np.stack([starts[gap], stops[gap] - starts[gap]], axis=1).astype(np.int64).reshape(-1, 2)
 
 
 def uncovered(covered: Sequence[tuple[int, int]], begin: int, end: int) -> list[tuple[int, int]]:
     """``(offset, count)`` of the parts of ``[begin, end)`` that no ``(b, e)`` in ``covered`` holds."""
-    gaps, cursor = [], begin
-    for b, e in sorted(covered):
-        if b > cursor:
-            gaps.append((cursor, b - cursor))
-        cursor = max(cursor, e)
-    if cursor < end:
-        gaps.append((cursor, end - cursor))
-    return gaps
+    pairs = np.array(list(covered), dtype=np.int64).reshape(-1, 2)
+    return [tuple(g) for g in _gaps(pairs[:, 0], pairs[:, 1], begin, end).tolist()]
 
 
 def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]
-                     ) -> tuple[list[Piece], list[tuple[int, int]]]:
+                     ) -> tuple[list[Piece], np.ndarray]:
     """``(src, start, count, offset)`` slices as pieces, and the ranges of ``dst`` they leave to zero."""
     check_dst(dst)
-    pieces = [Piece(*s) for s in slices]
-    return pieces, uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, dst.numel())
+    pieces = []
+    for i, s in enumerate(as_sequence("slices", slices)):
+        if isinstance(s, torch.Tensor) or not isinstance(s, (tuple, list)) or len(s) != 4:
+            raise TypeError(f"slices[{i}] must be a (src, start, count, offset) tuple, got {_show(s)}")
+        src, start, count, offset = s
+        pieces.append(Piece(src, as_index(f"slices[{i}] start", start), as_index(f"slices[{i}] count", count),
+                            as_index(f"slices[{i}] offset", offset)))
+    offsets = np.array([p[3] for p in pieces], dtype=np.int64)
+    counts = np.array([p[2] for p in pieces], dtype=np.int64)
+    return pieces, _gaps(offsets, offsets + np.maximum(counts, 0), 0, dst.numel())
 
 
 def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-                window: tuple[int, int] | None = None) -> tuple[list[Piece], list[tuple[int, int]]]:
+                window: tuple[int, int] | None = None) -> tuple[list[tuple], np.ndarray]:
     """The pieces and zero ranges of a pack: ``sources`` (flattened row-major) at element ``offsets``
     of a flat layout, zeros elsewhere; with ``window=(w0, w1)`` only elements ``[w0, w1)`` of that
     layout, written to ``dst[: w1 - w0]``. Checks the arguments of the pack itself; the pieces are
     checked by :func:`validate`."""
     check_dst(dst)
+    sources = as_sequence("sources", sources)
+    offsets = as_sequence("offsets", offsets)
     if len(sources) != len(offsets):
         raise ValueError(f"got {len(sources)} sources but {len(offsets)} offsets")
-    w0, w1 = (0, dst.numel()) if window is None else window
-    if not (0 <= w0 <= w1) or w1 - w0 > dst.numel():
-        raise ValueError(f"window=({w0}, {w1}) must satisfy 0 <= w0 <= w1 and fit dst's {dst.numel()} elements")
+    if window is None:
+        w0, w1 = 0, dst.numel()
+    else:
+        window = as_sequence("window", window)
+        if len(window) != 2:
+            raise ValueError(f"window must be None or (w0, w1), got {_show(window)}")
+        w0, w1 = as_index("window[0]", window[0]), as_index("window[1]", window[1])
+        if not (0 <= w0 <= w1) or w1 - w0 > dst.numel():
+            raise ValueError(f"window=({w0}, {w1}) must satisfy 0 <= w0 <= w1 and fit dst's {dst.numel()} elements")
     numels = []
     for i, src in enumerate(sources):
         if not isinstance(src, torch.Tensor):
-            raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__}")
+            raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {_show(src)}")
         numels.append(src.numel())
-    begin = np.array(list(offsets), dtype=np.int64)
+    begin = _int64_column([o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)],
+                          lambda i: f"offsets[{i}]")
     end = begin + np.array(numels, dtype=np.int64)
     i = _first(begin < 0)
     if i is not None:
-        raise ValueError(f"offsets[{i}]={offsets[i]} is negative")
+        raise ValueError(f"offsets[{i}]={int(begin[i])} is negative")
     i = _first(end > dst.numel()) if window is None else None
     if i is not None:
         raise ValueError(f"sources[{i}]: destination range [{int(begin[i])}, {int(end[i])}) does not "
@@ -477,8 +692,9 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     _check_disjoint(begin, end, lambda k: f"sources[{k}]")
     # Each source's part inside the window; sources outside it still get validated, as empty pieces.
     lo, hi = np.maximum(begin, w0), np.minimum(end, w1)
-    inside = (lo < hi).tolist()
-    pieces = [Piece(src, a - o, b - a, a - w0) if keep else Piece(src, 0, 0, 0)
-              for src, o, a, b, keep in zip(sources, begin.tolist(), lo.tolist(), hi.tolist(), inside)]
-    covered = [(p.offset, p.offset + p.count) for p, keep in zip(pieces, inside) if keep]
-    return pieces, uncovered(covered, 0, w1 - w0)
+    inside = lo < hi
+    start = np.where(inside, lo - begin, 0).tolist()
+    count = np.where(inside, hi - lo, 0).tolist()
+    offset = np.where(inside, lo - w0, 0).tolist()
+    pieces = list(zip(sources, start, count, offset))  # plain (src, start, count, offset) tuples: cheaper than Pieces
+    return pieces, _gaps(lo[inside] - w0, hi[inside] - w0, 0, w1 - w0)

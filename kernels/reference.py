@@ -24,24 +24,27 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements, flattened, as same-width integers: how a result is compared with the
     reference (``torch.equal`` on these; NaN-safe, -0.0-safe, and alike for bf16, fp8 and bool)."""
     flat = tensor.detach().contiguous().view(-1)
+    if flat.element_size() == 16:  # complex128: two 8-byte words per element
+        return flat.view(torch.int64)
     return flat.view(_INT_OF_WIDTH[flat.element_size()])
 
 
-def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
+              what: str = "sources") -> torch.Tensor:
     """Copy every piece into ``dst`` and zero ``zero_ranges``, after the kernels' own checks."""
-    validate(dst, pieces, zero_ranges, same_device=False)
-    for offset, count in zero_ranges:
+    srcs, zeros = validate(dst, pieces, zero_ranges, same_device=False, what=what)
+    for offset, count in zeros.tolist():
         dst.narrow(0, offset, count).zero_()
-    for p in pieces:
-        if p.count:
-            src = p.src.reshape(-1).narrow(0, p.start, p.count)
-            dst.narrow(0, p.offset, p.count).copy_(src, non_blocking=src.is_pinned() or dst.is_pinned())
+    for (src, *_), start, count, offset in zip(pieces, srcs.start.tolist(), srcs.count.tolist(), srcs.offset.tolist()):
+        if count:
+            part = src.reshape(-1).narrow(0, start, count)
+            dst.narrow(0, offset, count).copy_(part, non_blocking=part.is_pinned() or dst.is_pinned())
     return dst
 
 
 def torch_copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:
     """:func:`ztriton.kernels.copy_chunk` in torch."""
-    return torch_run(dst, [chunk_piece(src, dst, start, count)])
+    return torch_run(dst, [chunk_piece(src, dst, start, count)], what="src")
 
 
 def torch_pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
@@ -52,4 +55,4 @@ def torch_pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
 
 def torch_pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
     """:func:`ztriton.kernels.pack_slices` in torch."""
-    return torch_run(dst, *slices_to_pieces(dst, slices))
+    return torch_run(dst, *slices_to_pieces(dst, slices), what="slices")

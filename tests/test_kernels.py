@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ztriton.kernels import bits, copy_chunk, pack, pack_slices, torch_copy_chunk, torch_pack, torch_pack_slices
+from ztriton.kernels import (bits, copy_chunk, pack, pack_plan, pack_slices, torch_copy_chunk, torch_pack,
+                             torch_pack_slices)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -251,12 +252,257 @@ def test_chunk_out_of_range_refused(copy_chunk):
 
 def test_device_mismatch_refused():
     if DEVICE == "cpu":
-        meta = torch.empty(4, device="meta")
-        with pytest.raises(ValueError, match=r"sources\[0\] is on meta but dst is on cpu"):
-            pack(poisoned(4, torch.float32), [meta], [0])
-    else:
-        with pytest.raises(ValueError, match=r"sources\[0\] is on cpu but dst is on cuda"):
-            pack(poisoned(4, torch.float32), [torch.ones(4)], [0])
+        pytest.skip("needs a second device: CPU tensors under the interpreter have no other device with values")
+    with pytest.raises(ValueError, match=r"sources\[0\] is on cpu but dst is on cuda"):
+        pack(poisoned(4, torch.float32), [torch.ones(4)], [0])
+
+
+# Every launch function and its reference, each bad argument: the exception class and the argument's
+# name in the message, and the destination untouched. `dst` is a poisoned float32 buffer of 10.
+def _a():
+    return torch.ones(3, device=DEVICE)
+
+
+BAD_CALLS = [
+    # integers only: a float would be truncated (2.5 elements leave one unwritten), a bool is not a count
+    ("slice count 2.5", "slices", lambda dst: [(_a(), 0, 2.5, 0)], TypeError, r"slices\[0\] count must be an int"),
+    ("slice start 0.0", "slices", lambda dst: [(_a(), 0.0, 2, 0)], TypeError, r"slices\[0\] start must be an int"),
+    ("slice offset '1'", "slices", lambda dst: [(_a(), 0, 2, "1")], TypeError, r"slices\[0\] offset must be an int"),
+    ("slice offset 2**64", "slices", lambda dst: [(_a(), 0, 2, 2**64)], ValueError, r"slices\[0\] offset=18446744073709551616 is out of range"),
+    ("slice of 3", "slices", lambda dst: [(_a(), 0, 2)], TypeError, r"slices\[0\] must be a \(src, start, count, offset\)"),
+    ("slices None", "slices", lambda dst: None, TypeError, r"slices must be a list or tuple, got NoneType"),
+    ("slices tensor", "slices", lambda dst: _a(), TypeError, r"slices must be a list or tuple, got a torch.Tensor"),
+    ("slice src str", "slices", lambda dst: [("x", 0, 1, 0)], TypeError, r"slices\[0\] must be a torch.Tensor, got str"),
+    ("offset 3.9", "pack", lambda dst: ([_a()], [3.9], None), TypeError, r"offsets\[0\] must be an int, got float 3.9"),
+    ("offset True", "pack", lambda dst: ([_a()], [True], None), TypeError, r"offsets\[0\] must be an int, got the bool"),
+    ("offset 2**64", "pack", lambda dst: ([_a()], [2**64], None), ValueError, r"offsets\[0\]=18446744073709551616 is out of range"),
+    ("offset 2**63-1", "pack", lambda dst: ([_a()], [2**63 - 1], None), ValueError, r"offsets\[0\]=9223372036854775807 is out of range"),
+    ("window 0.5", "pack", lambda dst: ([_a()], [0], (0.5, 3)), TypeError, r"window\[0\] must be an int, got float 0.5"),
+    ("window str", "pack", lambda dst: ([_a()], [0], "03"), TypeError, r"window must be a list or tuple, got str"),
+    ("window of 3", "pack", lambda dst: ([_a()], [0], (0, 1, 2)), ValueError, r"window must be None or \(w0, w1\)"),
+    ("sources tensor", "pack", lambda dst: (_a(), [0], None), TypeError, r"sources must be a list or tuple, got a torch.Tensor; wrap"),
+    ("sources None", "pack", lambda dst: (None, [0], None), TypeError, r"sources must be a list or tuple, got NoneType"),
+    ("offsets None", "pack", lambda dst: ([_a()], None, None), TypeError, r"offsets must be a list or tuple, got NoneType"),
+    ("offsets str", "pack", lambda dst: ([_a()], "0", None), TypeError, r"offsets must be a list or tuple, got str"),
+    ("source int", "pack", lambda dst: ([5], [0], None), TypeError, r"sources\[0\] must be a torch.Tensor, got int"),
+    ("meta source", "pack", lambda dst: ([torch.empty(3, device="meta")], [0], None), ValueError,
+     r"sources\[0\] is on the meta device and holds no values"),
+    ("sparse source", "pack", lambda dst: ([torch.ones(3, device=DEVICE).to_sparse()], [0], None), TypeError,
+     r"sources\[0\] has layout torch.sparse_coo.*to_dense"),
+    ("start 1.0", "chunk", lambda dst: (_a(), 1.0, 2), TypeError, r"start must be an int, got float"),
+    ("count True", "chunk", lambda dst: (_a(), 0, True), TypeError, r"count must be an int, got the bool True"),
+    ("count '2'", "chunk", lambda dst: (_a(), 0, "2"), TypeError, r"count must be an int, got str"),
+    ("src None", "chunk", lambda dst: (None, 0, 2), TypeError, r"src must be a torch.Tensor, got NoneType"),
+]
+IMPLS = {"slices": (pack_slices, torch_pack_slices), "pack": (pack, torch_pack), "chunk": (copy_chunk, torch_copy_chunk)}
+
+
+def _call(impl, kind, dst, args):
+    if kind == "slices":
+        return impl(dst, args)
+    if kind == "pack":
+        sources, offsets, window = args
+        return impl(dst, sources, offsets, window=window)
+    src, start, count = args
+    return impl(src, dst, start, count)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["kernels", "reference"])
+@pytest.mark.parametrize("case,kind,make,error,match", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_arguments_named_and_nothing_written(case, kind, make, error, match, which):
+    dst = poisoned(10, torch.float32)
+    with pytest.raises(error, match=match):
+        _call(IMPLS[kind][which], kind, dst, make(dst))
+    assert_untouched(dst)
+
+
+@pytest.mark.parametrize("impl", [pack, torch_pack, copy_chunk], ids=["pack", "torch_pack", "copy_chunk"])
+@pytest.mark.parametrize("dst", [None, "buffer", torch.empty(4, device="meta"), torch.ones(4).to_sparse()],
+                         ids=["None", "str", "meta", "sparse"])
+def test_bad_dst_named(impl, dst):
+    args = (dst, [torch.ones(4)], [0]) if impl is not copy_chunk else (torch.ones(4), dst)
+    with pytest.raises((TypeError, ValueError), match=r"^dst "):
+        impl(*args)
+
+
+def test_integer_like_arguments_accepted():
+    """numpy integers and integer 0-d tensors are integers: accepted, not truncated."""
+    import numpy as np
+
+    src = random_tensor([6], torch.int32)
+    out = poisoned(8, torch.int32)
+    pack(out, [src], [np.int64(1)], window=(np.int32(0), torch.tensor(8)))
+    assert torch.equal(bits(out), bits(torch_pack(poisoned(8, torch.int32), [src], [1])))
+    pack_slices(out, [(src, np.int64(2), torch.tensor(3), 4)])
+    assert torch.equal(bits(out[4:7]), bits(src[2:5])) and not bits(out[:4]).any()
+
+
+def test_lazy_conjugate_refused():
+    z = torch.randn(4, dtype=torch.complex64, device=DEVICE).conj()
+    out = poisoned(4, torch.complex64)
+    for impl in (pack, torch_pack):
+        with pytest.raises(ValueError, match=r"sources\[0\] is a lazy conjugate.*resolve_conj"):
+            impl(out, [z], [0])
+    assert_untouched(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64])
+def test_complex_strided_sources(dtype):
+    """A 16-byte element travels as two 8-byte words: strided complex128 sources (DeepSpeed accepts
+    such a param) copy bit-exactly through every entry point."""
+    base = torch.randn(6, 10, dtype=dtype, device=DEVICE)
+    src = base[1:, ::3].t()  # strided, transposed
+    out = poisoned(src.numel() + 3, dtype)
+    copy_chunk(src, out[1:1 + src.numel() - 2], 1, src.numel() - 2)
+    expected = poisoned(src.numel() + 3, dtype)
+    torch_copy_chunk(src, expected[1:1 + src.numel() - 2], 1, src.numel() - 2)
+    assert torch.equal(bits(out), bits(expected))
+    flat = poisoned(40, dtype)
+    pack(flat, [src, base[0]], [1, 25])
+    assert torch.equal(bits(flat), bits(torch_pack(poisoned(40, dtype), [src, base[0]], [1, 25])))
+    window = poisoned(9, dtype)
+    pack(window, [src, base[0]], [1, 25], window=(20, 29))
+    assert torch.equal(bits(window), bits(flat[20:29]))
+    slices = poisoned(12, dtype)
+    pack_slices(slices, [(src, 3, 5, 0), (base.t(), 7, 4, 6)])
+    assert torch.equal(bits(slices), bits(torch_pack_slices(poisoned(12, dtype), [(src, 3, 5, 0), (base.t(), 7, 4, 6)])))
+
+
+def test_tables_keep_pointer_arguments_16_byte_aligned():
+    """triton compiles one variant per pointer alignment class: every table pointer a launch passes
+    (the rows and their prefix sum) is 16-byte aligned whatever the number of rows, so that a fresh
+    process compiles each kernel once per constexpr combination, not twice."""
+    from ztriton.kernels import make_plan
+    from ztriton.kernels.plan import pack_pieces
+
+    gen = torch.Generator().manual_seed(1)
+    for k in range(1, 8):
+        sources = [random_tensor([int(n)], torch.bfloat16, gen) for n in torch.randint(1, 50, (k,), generator=gen)]
+        sources.append(random_tensor([5, 3], torch.bfloat16, gen).t())  # one gather launch, k rows... odd and even
+        offsets, end = layout_of([s.numel() for s in sources], [1] * len(sources))
+        flat = poisoned(end, torch.bfloat16)
+        plan = make_plan(flat, *pack_pieces(flat, sources, offsets))
+        assert plan.launches
+        for _, _, args, _ in plan.launches:
+            pointers = [a for a in args if isinstance(a, torch.Tensor)]
+            assert all(p.data_ptr() % 16 == 0 for p in pointers), [p.data_ptr() % 16 for p in pointers]
+        plan.launch()
+        assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, end, torch.bfloat16)))
+
+
+def test_n_parts_is_not_specialised():
+    """An integer argument equal to 1 or a multiple of 16 would be a variant of its own."""
+    from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
+
+    for kernel in (_copy_words_kernel, _gather_tile_kernel):
+        spec = getattr(kernel, "do_not_specialize", None)
+        if spec is None:  # the interpreter keeps the decorator's arguments
+            spec = kernel.kwargs["do_not_specialize"]
+        names = [kernel.arg_names[i] if isinstance(i, int) else i for i in spec] if hasattr(kernel, "arg_names") \
+            else list(spec)
+        assert "n_parts" in names
+
+
+def test_concurrent_launches_from_two_threads():
+    """Two threads packing at once get each its own exact result (under the interpreter the launches
+    take turns: it patches triton.language module-wide while a kernel runs)."""
+    import threading
+
+    gen = torch.Generator().manual_seed(5)
+    jobs = []
+    for t in range(2):
+        sources = [random_tensor([int(n)], torch.float16, gen) for n in torch.randint(1, 60, (6,), generator=gen)]
+        sources.append(random_tensor([7, 4], torch.float16, gen).t())
+        offsets, end = layout_of([s.numel() for s in sources], [t + 1] * len(sources))
+        jobs.append((sources, offsets, end))
+    results, errors = [None, None], []
+
+    def work(t):
+        try:
+            sources, offsets, end = jobs[t]
+            outs = []
+            for _ in range(3):
+                out = poisoned(end, torch.float16)
+                pack(out, sources, offsets)
+                outs.append(out)
+            results[t] = outs
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for (sources, offsets, end), outs in zip(jobs, results):
+        expected = reference_layout(sources, offsets, end, torch.float16)
+        assert all(torch.equal(bits(o), bits(expected)) for o in outs)
+
+
+def test_cpu_kernels_without_the_interpreter_name_the_variable():
+    """Outside TRITON_INTERPRET=1 a kernel call on CPU tensors says what to set (not Triton's '0 active
+    drivers'), and the torch reference still works there."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from ztriton.kernels import pack, torch_pack\n"
+            "dst = torch.full((6,), 7.0)\n"
+            "try:\n"
+            "    pack(dst, [torch.ones(3)], [1])\n"
+            "except ValueError as exc:\n"
+            "    print('ERROR', exc)\n"
+            "assert dst.tolist() == [7.0] * 6\n"
+            "print('REFERENCE', torch_pack(dst, [torch.ones(3)], [1]).tolist())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR dst is on cpu" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout
+    assert "REFERENCE [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]" in out.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_two_threads_two_streams():
+    """Concurrent packs from two threads, each on its own stream, with plans made on one stream and
+    launched on another: every result exact."""
+    import threading
+
+    gen = torch.Generator().manual_seed(11)
+    jobs = []
+    for t in range(2):
+        sizes = torch.randint(1, 200_000, (300,), generator=gen).tolist()
+        sources = [random_tensor([n], torch.bfloat16, gen) for n in sizes]
+        sources[5] = random_tensor([700, 300], torch.bfloat16, gen).t()
+        offsets, end = layout_of([s.numel() for s in sources], [(-i) % 8 for i in range(len(sources))])
+        jobs.append((sources, offsets, end, reference_layout(sources, offsets, end, torch.bfloat16)))
+    torch.cuda.synchronize()
+    errors = []
+
+    def work(t):
+        try:
+            sources, offsets, end, expected = jobs[t]
+            stream = torch.cuda.Stream()
+            other = torch.cuda.Stream()
+            for i in range(20):
+                with torch.cuda.stream(stream):
+                    out = torch.full((end,), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    plan = pack_plan(out, sources, offsets)
+                with torch.cuda.stream(other if i % 2 else stream):  # odd rounds: launched on another stream
+                    if i % 2:
+                        other.wait_stream(stream)
+                    plan.launch()
+                    torch.cuda.current_stream().synchronize()
+                assert torch.equal(bits(out), bits(expected)), (t, i)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
 
 
 # ---------------------------------------------------------------------------------------------

@@ -399,3 +399,21 @@ def test_zero12_matches_deepspeed_gloo(gloo_world):
                          alignment)
     for groups in results:
         _check_zero12(groups, shapes, frozen, sizes, world_size, dtype, round_robin, alignment, seed)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (dict(numels=None), r"^numels must be a list or tuple, got NoneType"),
+    (dict(numels=5), r"^numels must be a list or tuple, got int"),
+    (dict(numels="34"), r"^numels must be a list or tuple, got str"),
+    (dict(trainable="ab"), r"^trainable must be a list or tuple, got str"),
+    (dict(trainable=[True, "x"]), r"^trainable\[1\] must be a bool, got 'x'"),
+    (dict(round_robin="no"), r"^round_robin must be a bool, got 'no'"),
+    (dict(parameter_alignment=None), r"^parameter_alignment must be a bool, got None"),
+])
+def test_group_layout_refuses_junk_naming_the_argument(bad, pattern):
+    """A string or None is not read as a truthy flag or iterated: refused, named."""
+    kwargs = dict(numels=[3, 4], world_size=2, element_size=2)
+    kwargs.update(bad)
+    with pytest.raises(ValueError, match=pattern):
+        zero12_group_layout(**kwargs)
+    assert zero12_group_layout([3, 4], 2, element_size=2, trainable=[1, 0], round_robin=0).order == (0,)

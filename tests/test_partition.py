@@ -109,14 +109,20 @@ def test_remote_device_cpu_and_gathered_parameters(fake_world):
         assert result.buffers[torch.bfloat16].numel() == sum(t.numel() for t in full.values())
 
 
-def test_already_partitioned_params_are_left_alone(fake_world):
+def test_repeat_is_refused_and_new_params_alone_are_partitioned(fake_world):
     with fake_world(2, 1):
         module = BitsModule([[4, 4], [3]], seed=2, dtype=torch.float32)
         first = ztriton.partition(module)
         before = [p.ds_tensor.data_ptr() for p in module.parameters()]
-        second = ztriton.partition(module)
-        assert second.buffers == {} and [p.ds_tensor.data_ptr() for p in module.parameters()] == before
+        with pytest.raises(ValueError, match=r"already a ZeRO-3 parameter.*partition a module once"):
+            ztriton.partition(module)
+        assert [p.ds_tensor.data_ptr() for p in module.parameters()] == before
         assert first.buffers[torch.float32].numel() == 8 + 2
+        module.extra = torch.nn.Parameter(torch.arange(5, dtype=torch.float32))
+        second = ztriton.partition(module)
+        assert [p.ds_tensor.data_ptr() for n, p in module.named_parameters() if n != "extra"] == before
+        assert [part.name for part in second.partitions] == ["extra"]
+        assert torch.equal(module.extra.ds_tensor, torch.tensor([3.0, 4.0, 0.0]))
 
 
 # --------------------------------------------------------------------------------------------- gloo
@@ -206,6 +212,98 @@ def test_gloo_deepspeed_initialize_trains_the_same(gloo_world):
     assert with_ztriton[0][1] != with_ztriton[0][0]  # the step changed the model
 
 
+def _arange_module(rank, numel=10, sparse=False):
+    """One fp32 param whose values differ per rank (rank 0's: 0, 1, 2, ...)."""
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.arange(numel, dtype=torch.float32) + 1000 * rank)
+    if sparse:
+        module.s = torch.nn.Parameter(torch.ones(4).to_sparse())
+    return module
+
+
+def _outcome(rank, world_size, module, **kwargs):
+    """Partition; the error (class, message) or whether each rank holds rank 0's slice; and that a
+    failure left the param as it was."""
+    before = module.w.detach().clone()
+    try:
+        ztriton.partition(module, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- the outcome is what the test compares
+        untouched = not hasattr(module.w, "ds_id") and torch.equal(module.w.data, before)
+        return type(exc).__name__, str(exc), untouched
+    sl = zero3_slice(before.numel(), world_size)
+    start, valid = sl.rank_start(rank), sl.valid_numel(rank)
+    expected = torch.arange(before.numel(), dtype=torch.float32)[start:start + valid]
+    return "ok", torch.equal(module.w.ds_tensor[:valid], expected), bool((module.w.ds_tensor[valid:] == 0).all())
+
+
+def _gloo_failures_agreed(rank, world_size):
+    """Each scenario on both ranks: every rank ends the same way, none waits forever."""
+    from ztriton import memory
+    import ztriton.partitioning as partitioning
+
+    results = {}
+    # A chunk size far beyond memory: clamped to the per-rank buffer, not allocated W times on rank 0.
+    results["huge_chunk"] = _outcome(rank, world_size, _arange_module(rank), chunk_bytes=2**40)
+
+    # Rank 0's staging allocation fails with the CPU allocator's kind of error (a plain RuntimeError).
+    def fail_staging(what):
+        if rank == 0 and what == "scatter staging":
+            raise RuntimeError("DefaultCPUAllocator: not enough memory (injected)")
+    memory.fault_hook = fail_staging
+    try:
+        results["staging_fails"] = _outcome(rank, world_size, _arange_module(rank))
+    finally:
+        memory.fault_hook = None
+
+    # ... once only, with room to halve: 4 MiB of fp32 over 2 ranks is a 2 MiB per-rank buffer.
+    calls = []
+
+    def fail_once(what):
+        if rank == 0 and what == "scatter staging" and not calls:
+            calls.append(what)
+            raise RuntimeError("DefaultCPUAllocator: not enough memory (injected)")
+    memory.fault_hook = fail_once
+    try:
+        results["staging_fails_once"] = _outcome(rank, world_size, _arange_module(rank, numel=1 << 20))
+    finally:
+        memory.fault_hook = None
+
+    # Rank 0 fails while filling a staging chunk.
+    fill = partitioning._fill
+
+    def broken_fill(*args):
+        raise RuntimeError("kernel launch failed (injected)")
+    if rank == 0:
+        partitioning._fill = broken_fill
+    try:
+        results["fill_fails"] = _outcome(rank, world_size, _arange_module(rank))
+    finally:
+        partitioning._fill = fill
+
+    # Only rank 1's module is refused by the checks.
+    results["check_fails_on_rank1"] = _outcome(rank, world_size, _arange_module(rank, sparse=rank == 1))
+    return results
+
+
+def test_gloo_every_failure_is_agreed(gloo_world):
+    """Issue 16: a failure on one rank (any exception class) makes every rank raise, none hangs (the
+    world's timeout fails the test), params untouched; chunk_bytes=2**40 works."""
+    rank0, rank1 = gloo_world(_gloo_failures_agreed, 2, timeout=240)
+    assert rank0["huge_chunk"] == rank1["huge_chunk"] == ("ok", True, True)
+    assert rank0["staging_fails_once"] == rank1["staging_fails_once"] == ("ok", True, True)
+    for case in ("staging_fails", "fill_fails", "check_fails_on_rank1"):
+        assert rank0[case][2] and rank1[case][2], (case, rank0[case], rank1[case])  # params untouched
+    assert rank0["staging_fails"][0] == rank1["staging_fails"][0] == "RuntimeError"
+    assert "cannot allocate even" in rank0["staging_fails"][1] and "injected" in rank0["staging_fails"][1]
+    assert "on another rank" in rank1["staging_fails"][1]
+    assert rank0["fill_fails"][:2] == ("RuntimeError", "kernel launch failed (injected)")
+    assert rank1["fill_fails"][0] == "RuntimeError" and "rank 0 filling staging chunk 0 failed on another rank" \
+        in rank1["fill_fails"][1]
+    assert rank1["check_fails_on_rank1"][0] == "TypeError" and "parameter 's'" in rank1["check_fails_on_rank1"][1]
+    assert rank0["check_fails_on_rank1"][0] == "RuntimeError" and "checking the parameters failed on another rank" \
+        in rank0["check_fails_on_rank1"][1]
+
+
 # -------------------------------------------------------------------------------------------- errors
 
 
@@ -227,6 +325,43 @@ def test_errors_leave_params_intact(fake_world):
         ztriton.partition(torch.nn.Linear(2, 2))
 
 
+def test_sparse_param_refused_naming_it(fake_world):
+    with fake_world(2, 0):
+        module = _arange_module(0, sparse=True)
+        with pytest.raises(TypeError, match=r"parameter 's' is a torch.sparse_coo tensor.*to_dense"):
+            ztriton.partition(module)
+        assert not hasattr(module.w, "ds_id") and not hasattr(module.s, "ds_id")
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(headroom_bytes=-1), r"headroom_bytes must be an int >= 0 \(bytes\), got -1"),
+    (dict(headroom_bytes=True), r"headroom_bytes must be an int >= 0 \(bytes\), got True"),
+    (dict(headroom_bytes="1GB"), r"headroom_bytes must be an int >= 0 \(bytes\), got '1GB'"),
+    (dict(chunk_bytes=2.0**21), r"chunk_bytes must be an int >= 0 \(bytes\), got 2097152.0"),
+    (dict(chunk_bytes="big"), r"chunk_bytes must be an int >= 0 \(bytes\), got 'big'"),
+])
+def test_bad_options_refused_naming_them(fake_world, kwargs, pattern):
+    with fake_world(2, 0):
+        module = _arange_module(0)
+        with pytest.raises(ValueError, match=pattern):
+            ztriton.partition(module, **kwargs)
+        assert not hasattr(module.w, "ds_id")
+
+
+def test_complex128_strided_param(fake_world):
+    """DeepSpeed accepts a complex128 param; a strided one partitions bit-exactly too (16-byte
+    elements travel as pairs of 8-byte words)."""
+    with fake_world(3, 1):
+        module = torch.nn.Module()
+        full = torch.randn(5, 7, dtype=torch.complex128)
+        module.z = torch.nn.Parameter(full.t().contiguous().t())  # column-major storage
+        ztriton.partition(module)
+        sl = zero3_slice(full.numel(), 3)
+        valid, start = sl.valid_numel(1), sl.rank_start(1)
+        assert torch.equal(bits(module.z.ds_tensor[:valid]), bits(full.reshape(-1)[start:start + valid]))
+        assert not bits(module.z.ds_tensor[valid:]).any()
+
+
 def test_chunk_bytes_below_minimum_refused_before_anything_changes(fake_world):
     with fake_world(2, 1):
         module = BitsModule([[4]], seed=0, dtype=torch.float32)
@@ -241,7 +376,7 @@ def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
     the partitions) the copies go through torch, with only the padding zeroed: same bytes."""
     import ztriton.partitioning as partitioning
 
-    monkeypatch.setattr(partitioning, "kernels_run_on", lambda device: False)
+    monkeypatch.setattr(partitioning, "runs_on", lambda device: False)
     shapes = [[7, 3], [13], [2, 2]]
     reference = zero3_reference(lambda: BitsModule(shapes, 9, torch.bfloat16), 3, 2, torch.bfloat16,
                                 wrap_existing=True)

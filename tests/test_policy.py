@@ -298,3 +298,25 @@ def test_parse_tier():
         parse_tier("host", allowed=(Tier.DEVICE, Tier.EVICT))
     with pytest.raises(ValueError, match=r"got 'gpu'"):
         parse_tier("gpu")
+
+
+def test_staging_chunk_clamped_to_the_data():
+    """A requested chunk never exceeds the data it stages: chunk_bytes=2**40 on a small model is
+    not a 2**40-byte allocation per rank on the staging rank."""
+    from ztriton.policy import clamp_chunk_bytes
+
+    assert clamp_chunk_bytes(2**40, 10 * MiB) == 10 * MiB
+    assert clamp_chunk_bytes(4 * MiB, 10 * MiB) == 4 * MiB
+    assert clamp_chunk_bytes(2**40, 100) == MIN_CHUNK_BYTES  # never below the minimum the halving stops at
+
+
+def test_options_take_integer_likes_as_ints():
+    import numpy as np
+
+    options = Options.of(headroom_bytes=np.int64(5), chunk_bytes=np.uint32(2 * MiB), host_init_bytes=np.int16(7))
+    assert options == Options(5, 2 * MiB, 7) and type(options.headroom_bytes) is int
+    for bad in ("5", 5.0, [5], np.float64(5), True):
+        with pytest.raises(ValueError, match=r"^chunk_bytes must be an int >= 0"):
+            Options(chunk_bytes=bad)
+    with pytest.raises(ValueError, match=r"^headroom_bytes must be an int >= 0 \(bytes\), got None"):
+        Options(headroom_bytes=None)

@@ -28,6 +28,9 @@ __all__ = [
     "param_alignment",
 ]
 
+# More params than any group holds (round_robin_order lists them): a bound on a count, not a size.
+MAX_PARAMS = 2**31
+
 # DeepSpeedZeroOptimizer.nccl_start_alignment_factor: "4-byte alignment / sizeof(fp16) = 2".
 NCCL_START_ALIGNMENT_FACTOR = 2
 
@@ -50,6 +53,18 @@ def _check_rank(rank: int, world_size: int) -> None:
 def _check_numel(name: str, numel: int) -> None:
     if not _is_int(numel) or numel < 0:
         raise ValueError(f"{name} must be an int >= 0, got {numel!r}")
+
+
+def _check_flag(name: str, value: object) -> None:
+    """A bool (or 0 / 1, as configs write them); anything else would be read as truthy or not."""
+    if not isinstance(value, int) or value not in (0, 1):
+        raise ValueError(f"{name} must be a bool, got {value!r:.60}")
+
+
+def _check_list(name: str, value: object) -> None:
+    """A list or tuple (a lone value, a string or None would be iterated or fail unnamed)."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list or tuple, got {type(value).__name__} {value!r:.60}")
 
 
 @dataclass(frozen=True)
@@ -96,14 +111,18 @@ def param_alignment(element_size: int, enabled: bool) -> int:
     """Elements each param is padded to with ``parameter_alignment``: 16 bytes' worth, else 1."""
     if not _is_int(element_size) or element_size < 1:
         raise ValueError(f"element_size must be an int >= 1 (bytes), got {element_size!r}")
+    _check_flag("enabled", enabled)
     return 16 // math.gcd(16, element_size) if enabled else 1
 
 
 def round_robin_order(count: int, world_size: int) -> list[int]:
     """``p[0::W] + p[1::W] + ... + p[W-1::W]`` as indices, DeepSpeed's ``_round_robin_reorder``."""
     _check_numel("count", count)
+    if count > MAX_PARAMS:  # a list of that many indices could not be built
+        raise ValueError(f"count={count} is more params than a group can hold (at most {MAX_PARAMS})")
     _check_world(world_size)
-    return [i for start in range(world_size) for i in range(start, count, world_size)]
+    # Starts at or past `count` contribute nothing: a huge world costs no loop.
+    return [i for start in range(min(world_size, count)) for i in range(start, count, world_size)]
 
 
 @dataclass(frozen=True)
@@ -161,11 +180,18 @@ def zero12_group_layout(
     ``is_optimized_parameter`` does. ``round_robin`` is ``round_robin_gradients``;
     ``parameter_alignment`` pads every param but the last to 16 bytes.
     """
+    _check_list("numels", numels)
     for i, numel in enumerate(numels):
         _check_numel(f"numels[{i}]", numel)
     _check_world(world_size)
-    if trainable is not None and len(trainable) != len(numels):
-        raise ValueError(f"trainable has {len(trainable)} entries but numels has {len(numels)}")
+    if trainable is not None:
+        _check_list("trainable", trainable)
+        if len(trainable) != len(numels):
+            raise ValueError(f"trainable has {len(trainable)} entries but numels has {len(numels)}")
+        for i, flag in enumerate(trainable):
+            _check_flag(f"trainable[{i}]", flag)
+    _check_flag("round_robin", round_robin)
+    _check_flag("parameter_alignment", parameter_alignment)
     palign = param_alignment(element_size, parameter_alignment)
 
     members = [i for i, n in enumerate(numels) if n > 0 and (trainable is None or trainable[i])]

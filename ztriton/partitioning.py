@@ -15,6 +15,11 @@ Values are rank 0's, as with ``zero.Init``. How they travel:
   the per-rank buffer at a time into a [W, chunk] staging buffer and scatters it; each rank receives
   its row straight into its buffer. Rank 0 sends each byte once (a broadcast would send every
   parameter to every rank) and holds W chunks extra, the others nothing.
+
+Failures: every check and allocation comes before the first write, and in a real world every step a
+rank could fail alone (the checks, each allocation, rank 0's filling of each staging chunk) is agreed
+by all ranks (:func:`ztriton.comm.agree`, whatever the exception), so either all ranks go on or all
+raise: no rank waits forever in a collective that another rank left.
 """
 from __future__ import annotations
 
@@ -27,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from ztriton import memory, policy
-from ztriton.comm import World, min_over_ranks
+from ztriton.comm import World, agree, min_over_ranks
 from ztriton.kernels import Piece, copy_chunk, pack_slices, torch_pack_slices
+from ztriton.kernels.plan import runs_on
 from ztriton.layout import Zero3Slice, zero3_slice
-from ztriton.memory import alias, format_bytes, kernels_run_on, synchronize
+from ztriton.memory import alias, format_bytes, synchronize
 
 logger = logging.getLogger("ztriton")
 
@@ -89,19 +95,26 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], world: World, 
     partitions, pinned if ``pin_memory`` and CUDA is present); ``probe_device`` the device whose free
     memory sizes the staging chunk unless ``options.chunk_bytes`` is set.
     """
-    _check_params(named)
     path = Transfer.SCATTER if world.size > 1 and not world.simulated else Transfer.LOCAL
-    by_dtype = _entries_by_dtype(named, world.size)
-    chunk, figures = staging_chunk_bytes(probe_device, world.size, options)
+
+    def checks():
+        _check_params(named)
+        return _entries_by_dtype(named, world.size), staging_chunk_bytes(probe_device, world.size, options)
+
+    by_dtype, (chunk, figures) = _agreed(world, path, checks, "checking the parameters")
     result = Partitioned({}, [n for n, _ in named], world.size, world.rank, path, chunk)
     logger.log(log_level, "ztriton partition: %d params in %d dtype(s) over %d ranks (rank %d), partitions on %s, "
                "path=%s (%s), staging chunk %s [%s]", len(named), len(by_dtype), world.size, world.rank, home, path.value,
                "rank 0's values scattered" if path is Transfer.SCATTER else "each rank slices its own values",
                format_bytes(chunk), figures)
 
+    if path is Transfer.LOCAL and not runs_on(home):
+        logger.log(log_level, "ztriton partition: the Triton kernels do not run on %s here (CPU tensors need "
+                   "TRITON_INTERPRET=1); copying with torch", home)
     for dtype, entries in by_dtype.items():
         total = sum(e.slice.partition_numel for e in entries)
-        buffer = _allocate(total, dtype, home, pin_memory)
+        buffer = _agreed(world, path, lambda: _allocate(total, dtype, home, pin_memory),
+                         f"allocating the per-rank {dtype} buffer")
         if path is Transfer.LOCAL:
             _fill_local(buffer, entries, world.rank, chunk)
         else:
@@ -114,6 +127,20 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], world: World, 
     return result
 
 
+def _agreed(world: World, path: Transfer, step, what: str):
+    """``step()``, agreed by every rank when the ranks exchange data: if it raised on any rank, every
+    rank raises (its own exception where it failed, else a RuntimeError saying another rank did)."""
+    if path is Transfer.LOCAL:
+        return step()
+    outcome = agree(world, step)
+    if outcome.error is not None:
+        raise outcome.error
+    if not outcome.ok:
+        raise RuntimeError(f"ztriton partition: {what} failed on another rank (its error says why); no "
+                           "parameter was changed")
+    return outcome.value
+
+
 def _alias(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
     """``buffer[offset:offset + numel]`` as a tensor of its own (see :func:`ztriton.memory.alias`)."""
     return alias(buffer.untyped_storage(), buffer.storage_offset() + offset, numel, buffer.dtype, buffer.device)
@@ -123,7 +150,7 @@ def staging_chunk_bytes(device: torch.device, world_size: int, options: policy.O
     """The staging chunk size (``options.chunk_bytes``, else the policy's pick from ``device``'s free
     memory with W + 1 chunks in flight) and the figures it came from, for the log."""
     if options.chunk_bytes is not None:
-        return options.chunk_bytes, "chunk size given by the caller"
+        return options.chunk_bytes, "chunk size given by the caller (at most the per-rank buffer)"
     free = memory.probe_memory(device)
     chunk = policy.choose_chunk_bytes(free.device_free, options.headroom_bytes, buffers=world_size + 1)
     return chunk, f"free {format_bytes(free.device_free)} on {free.device} via {free.source}"
@@ -135,6 +162,9 @@ def staging_chunk_bytes(device: torch.device, world_size: int, options: policy.O
 
 def _check_params(named: list[tuple[str, torch.nn.Parameter]]) -> None:
     for name, p in named:
+        if p.layout != torch.strided:
+            raise TypeError(f"parameter {name!r} is a {p.layout} tensor; ZeRO-3 partitions dense parameters: make it "
+                            "dense (param.data = param.data.to_dense()) or keep it out of the partitioned module")
         if p.device.type == "meta":
             raise ValueError(f"parameter {name!r} is on the meta device and holds no values: materialise the module "
                              "first (e.g. module.to_empty(device='cpu') and load its weights)")
@@ -156,9 +186,11 @@ def _entries_by_dtype(named, world: int) -> dict[torch.dtype, list[_Entry]]:
 
 
 def _allocate(numel: int, dtype: torch.dtype, device: torch.device, pin_memory: bool) -> torch.Tensor:
-    pin = device.type == "cpu" and pin_memory and torch.cuda.is_available()
+    what = f"per-rank {dtype} buffer"
     try:
-        return torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+        if device.type == "cpu" and pin_memory and torch.cuda.is_available():
+            return memory.host_empty(numel, dtype, what, pin=True)
+        return memory.empty(numel, dtype, device, what)
     except torch.OutOfMemoryError as exc:
         raise RuntimeError(f"cannot allocate the per-rank {dtype} buffer of {numel} elements on {device}; "
                            "free device memory or pass remote_device='cpu'") from exc
@@ -192,11 +224,11 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], chunk_elems: int) -> None:
     ``copy_`` (host <-> device) and staging chunks for strided device sources.
     """
     slices = [(p.src, p.start, p.count, p.offset) for p in pieces]
-    if kernels_run_on(dst.device) and all(p.src.device == dst.device for p in pieces):
+    if runs_on(dst.device) and all(p.src.device == dst.device for p in pieces):
         pack_slices(dst, slices)
         return
     # The reference would make a strided device source contiguous where it is: those go in chunks.
-    strided = [not p.src.is_contiguous() and kernels_run_on(p.src.device) for p in pieces]
+    strided = [not p.src.is_contiguous() and runs_on(p.src.device) for p in pieces]
     torch_pack_slices(dst, [s for s, staged in zip(slices, strided) if not staged])
     for p, staged in zip(pieces, strided):
         if staged:
@@ -206,7 +238,7 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], chunk_elems: int) -> None:
 def _copy_strided(src: torch.Tensor, start: int, count: int, out: torch.Tensor, chunk_elems: int) -> None:
     """``out[:] = src.flatten()[start:start + count]`` for a strided source on another device than
     ``out``, through staging chunks next to ``src``: never a full-size copy on its device."""
-    stage = torch.empty(min(count, chunk_elems), dtype=src.dtype, device=src.device)
+    stage = memory.empty(min(count, chunk_elems), src.dtype, src.device, "strided-source staging")
     for begin, end in _chunks(count, chunk_elems):
         copy_chunk(src, stage[:end - begin], start + begin, end - begin)
         out[begin:end].copy_(stage[:end - begin])
@@ -224,41 +256,52 @@ def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_by
 def _staging(world: World, chunk_bytes: int, buffer: torch.Tensor):
     """Rank 0's [W, chunk] scatter staging and, where the buffer is not on the comm device, a receive
     chunk. Every rank must use the same chunk, yet each may have picked its own size (from its own
-    free memory): one all-reduce agrees on the smallest, or, if any rank's allocation failed, on half
-    the smallest, and every rank takes the same branch. Down to policy.MIN_CHUNK_BYTES, then fail."""
+    free memory): one all-reduce agrees on the smallest, or, if any rank's allocation failed (with any
+    exception: the CPU allocator raises a plain RuntimeError), on half the smallest, and every rank
+    takes the same branch. Down to policy.MIN_CHUNK_BYTES, then every rank fails."""
     comm = world.comm_device
     while True:
         chunk_elems = max(1, chunk_bytes // buffer.element_size())
+        failure = None
         try:
-            recv = None if buffer.device == comm else torch.empty(chunk_elems, dtype=buffer.dtype, device=comm)
-            rows = torch.empty(world.size, chunk_elems, dtype=buffer.dtype, device=comm) if world.rank == 0 else None
-            ok = True
-        except torch.OutOfMemoryError:
+            recv = None if buffer.device == comm else memory.empty(chunk_elems, buffer.dtype, comm, "receive chunk")
+            rows = memory.empty(world.size * chunk_elems, buffer.dtype, comm, "scatter staging").view(
+                world.size, chunk_elems) if world.rank == 0 else None
+        except Exception as exc:  # noqa: BLE001 -- whatever failed here, every rank must hear of it below
             recv = rows = None
-            ok = False
+            failure = exc
         # [smallest size among ranks whose allocation worked (0 if any failed), smallest size asked]
-        fitted, smallest = min_over_ranks([chunk_bytes if ok else 0, chunk_bytes], world)
+        fitted, smallest = min_over_ranks([chunk_bytes if failure is None else 0, chunk_bytes], world)
         if fitted > 0:  # every rank allocated at least `smallest`: use that much of what it holds
             return max(1, smallest // buffer.element_size()), rows, recv
         if smallest <= policy.MIN_CHUNK_BYTES:
-            raise RuntimeError(f"cannot allocate even {format_bytes(policy.MIN_CHUNK_BYTES)} of staging on {comm} "
-                               "on every rank; free device memory and retry")
-        logger.warning("ztriton partition: staging of %s did not fit on every rank; halving", format_bytes(smallest))
+            here = f" (here: {type(failure).__name__}: {failure})" if failure is not None else " (on another rank)"
+            raise RuntimeError(f"ztriton partition: cannot allocate even {format_bytes(smallest)} of staging on "
+                               f"{comm} on every rank{here}; free memory and retry; no parameter was changed")
+        logger.warning("ztriton partition: staging of %s did not fit on every rank%s; halving", format_bytes(smallest),
+                       f" ({type(failure).__name__}: {failure})" if failure is not None else "")
         recv = rows = None
         chunk_bytes = smallest // 2
 
 
 def _fill_scattered(buffer: torch.Tensor, entries: list[_Entry], world: World, chunk_bytes: int) -> None:
-    """Rank 0 scatters every rank's slices, one staging chunk of the per-rank buffer at a time."""
+    """Rank 0 scatters every rank's slices, one staging chunk of the per-rank buffer at a time; each
+    chunk's filling is agreed before its scatter, so a failure on rank 0 stops every rank."""
     itemsize = buffer.element_size()
+    chunk_bytes = policy.clamp_chunk_bytes(chunk_bytes, buffer.numel() * itemsize)
     chunk_elems, staging, recv_stage = _staging(world, chunk_bytes, buffer)
     for done, (begin, end) in enumerate(_chunks(buffer.numel(), chunk_elems)):
         n = end - begin
-        rows = None
-        if world.rank == 0:
+
+        def fill_rows():
+            if world.rank != 0:
+                return None
             rows = [staging[r, :n] for r in range(world.size)]
             for r, row in enumerate(rows):
                 _fill(row, _chunk_pieces(entries, r, begin, end), chunk_elems)
+            return rows
+
+        rows = _agreed(world, Transfer.SCATTER, fill_rows, f"rank 0 filling staging chunk {done}")
         recv = buffer[begin:end] if recv_stage is None else recv_stage[:n]
         dist.scatter(recv, scatter_list=rows, src=world.global_rank(0), group=world.group)
         if recv_stage is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import operator
 import logging
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -28,18 +29,32 @@ MAX_HOST_INIT_BYTES = 1 * GiB
 
 
 def check_bytes(name: str, value: object) -> int:
-    """``value`` if it is an int >= 0 (a size in bytes), else a ValueError naming ``name``."""
+    """``value`` as an int if it is one (numpy integers too; not a bool, not a float) >= 0 (a size in
+    bytes), else a ValueError naming ``name``."""
+    if not isinstance(value, bool) and not isinstance(value, float):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
     return value
 
 
 def check_chunk_bytes(value: object) -> int:
-    """A staging chunk size the caller asked for: an int of at least 1 MiB."""
-    check_bytes("chunk_bytes", value)
+    """A staging chunk size the caller asked for: an int of at least 1 MiB. (A huge one is fine here:
+    :func:`clamp_chunk_bytes` caps it at the data it stages.)"""
+    value = check_bytes("chunk_bytes", value)
     if value < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes={value} is below the minimum of {MIN_CHUNK_BYTES} (1 MiB)")
     return value
+
+
+def clamp_chunk_bytes(chunk_bytes: int, data_bytes: int) -> int:
+    """A staging chunk never larger than the data it stages (nor below MIN_CHUNK_BYTES): a chunk
+    size asked for as "as large as it gets" (``chunk_bytes=2**40``) must not become an allocation of
+    that size, once per rank, on the rank that stages."""
+    return max(MIN_CHUNK_BYTES, min(chunk_bytes, data_bytes))
 
 
 @dataclass(frozen=True)
@@ -57,11 +72,12 @@ class Options:
     host_init_bytes: int | None = None
 
     def __post_init__(self):
-        check_bytes("headroom_bytes", self.headroom_bytes)
+        # Checked and stored as plain ints (a numpy integer from a config becomes an int).
+        object.__setattr__(self, "headroom_bytes", check_bytes("headroom_bytes", self.headroom_bytes))
         if self.chunk_bytes is not None:
-            check_chunk_bytes(self.chunk_bytes)
+            object.__setattr__(self, "chunk_bytes", check_chunk_bytes(self.chunk_bytes))
         if self.host_init_bytes is not None:
-            check_bytes("host_init_bytes", self.host_init_bytes)
+            object.__setattr__(self, "host_init_bytes", check_bytes("host_init_bytes", self.host_init_bytes))
 
     @classmethod
     def of(cls, *, headroom_bytes: int | None = None, chunk_bytes: int | None = None,
@@ -86,7 +102,7 @@ def parse_tier(tier: Tier | str | None, allowed: Sequence[Tier] = tuple(Tier)) -
     """The tier a caller forces (``None``: the policy picks), one of ``allowed``."""
     if tier is None:
         return None
-    if tier not in allowed and tier not in [t.value for t in allowed]:
+    if not isinstance(tier, str) or tier not in allowed and tier not in [t.value for t in allowed]:
         raise ValueError(f"tier must be one of {[t.value for t in allowed]} or None, got {tier!r}")
     return Tier(tier)
 
