@@ -250,6 +250,14 @@ def main(argv=None) -> int:
         checkpoints = [smoke]
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.worlds.split(",")]
     results = {}
+    out = args.out or (ROOT / "bench" / "results" / ("load_smoke.json" if args.smoke else "load.json"))
+
+    def save(figures: dict) -> Path:
+        """Written after every case, so that a run cut short keeps what it finished."""
+        from bench.harness import write_result
+
+        return write_result(out.stem, figures, out.parent)
+
     for ckpt in checkpoints:
         cases = []
         for world, rank in pairs:
@@ -258,6 +266,8 @@ def main(argv=None) -> int:
                 case = _child(["--case", str(ckpt), backend, str(world), str(rank)])
                 case.setdefault("backend", backend), case.setdefault("world", world), case.setdefault("rank", rank)
                 cases.append(case)
+                save({**results, ckpt.name: {"cases": [{k: v for k, v in c.items() if k != "digests"} for c in cases],
+                                             "partial": True}})
                 if "error" in case:
                     print(case["tail"], flush=True)
                 else:
@@ -288,11 +298,7 @@ def main(argv=None) -> int:
             c.pop("digests", None)
         results[ckpt.name] = {"cases": cases, "bits": bits, "ratios": ratios}
         print(json.dumps(ratios, indent=1), flush=True)
-    from bench.harness import write_result
-
-    out = args.out or (ROOT / "bench" / "results" / ("load_smoke.json" if args.smoke else "load.json"))
-    path = write_result(out.stem, results, out.parent)
-    print(f"[bench_load] wrote {path}")
+        print(f"[bench_load] wrote {save(results)}", flush=True)
     return 0
 
 
