@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from ztriton import loading
+from ztriton.integrations.deepspeed import report as ds_report
 from ztriton.loading import Checkpoint, Target
 
 from .conversion import derive_sources
@@ -113,12 +114,15 @@ def _load_shard_on_read(model, checkpoint_files: list[str], load_config):
             done.add(id(tensor))
             targets.append(_target(name, tensor, derived.sources[name]))
     # Every target is checked (keys, shapes, dtypes, bounds) before the first byte is written.
-    report = loading.load_into([t for t, _ in targets], checkpoint, progress=_rank() == 0)
+    ds_report.banner("partition_backend='triton': from_pretrained under ZeRO-3 reads each rank's own slices of "
+                     "the checkpoint into its partitions (ztriton.loading; nothing gathered)")
+    report, seconds, peak = ds_report.timed(
+        lambda: loading.load_into([t for t, _ in targets], checkpoint, progress=_rank() == 0))
     for _, finish in targets:
         finish()
     loaded = set(loadable)
-    logger.info("ztriton: from_pretrained read %d bytes into %d tensors on rank %d (shard-on-read)",
-                report.bytes_read, len(targets), _rank())
+    ds_report.step_summary("from_pretrained (shard-on-read)", tier="read", nbytes=report.bytes_read,
+                           seconds=seconds, peak_bytes=peak, tensors=len(targets), rank=_rank())
 
     error_msgs = []
     if derived.fallback:
