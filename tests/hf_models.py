@@ -44,6 +44,12 @@ def _configs() -> dict[str, tuple[Callable, dict[str, Any]]]:
             "qwen2_moe": (Qwen2MoeConfig, QWEN2_MOE), "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3)}
 
 
+# A hidden size prime to 2 and 3 makes most numels so, and a split by 2 or 3 then pads the last rank's partitions
+# (hidden 32 makes every tensor's numel even). Llama needs the heads to divide it; the forward of such a Mixtral fails
+# in grouped_mm on strides that are not 16-byte multiples, so these are for loading only.
+ODD_HIDDEN = {"mixtral": dict(hidden_size=35),
+              "llama": dict(hidden_size=35, num_attention_heads=5, num_key_value_heads=1)}
+
 MODELS = ("llama", "mixtral", "qwen2_moe", "deepseek_v3")
 MOE_MODELS = ("mixtral", "qwen2_moe", "deepseek_v3")
 

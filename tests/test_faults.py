@@ -6,8 +6,8 @@ of the staging ring), collectives through ``comm.fault_hook`` (every collective 
 After each call, either it succeeded (through a fallback tier) with the right bytes, or it raised and
 every param / tensor still holds its original bytes and shape. On gloo the same N fails on every rank
 (they take the same steps) or, for allocations, on one rank only (the ranks must agree, not hang: the
-world's timeout fails the test). Packing uses the torch reference (TRITON_INTERPRET=0): what is under
-test is the control flow around every allocation and collective, not the kernels.
+world's timeout fails the test). A call that fails although no rank reached its fault fails the sweep
+(an unrelated error must not pass for a handled fault).
 """
 from __future__ import annotations
 
@@ -57,9 +57,14 @@ def injected(injector: Injector):
 
 
 @contextlib.contextmanager
-def torch_packing_and_memory(free_bytes: int):
+def free_memory(free_bytes: int):
+    """The memory probe reports ``free_bytes`` free (which picks the flatten tier and chunk sizes).
+
+    The kernels run as everywhere in the suite (under the interpreter on the CPU): triton reads
+    TRITON_INTERPRET once, at its import, so flipping it here would not pick torch's copies but make
+    the interpreter's lazy imports fail (an AssertionError the sweeps would mistake for an injected fault)."""
     fake = lambda device: MemoryInfo(str(device), free_bytes, free_bytes, 1 << 40, "test")  # noqa: E731
-    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}), mock.patch.object(memory, "probe_memory", fake):
+    with mock.patch.object(memory, "probe_memory", fake):
         yield
 
 
@@ -81,21 +86,25 @@ def _sweep_flatten(tier: str, free_bytes: int, kind: str, error, rank: int = 0, 
         params = _params(3)
         before = [(bits(p).clone(), p.shape) for p in params]
         if expected is None:
-            with torch_packing_and_memory(1 << 30):
+            with free_memory(1 << 30):
                 expected = bits(ztriton.flatten_groups([_params(3)], headroom_bytes=0)[0].flat).clone()
         injector = Injector(kind, at, error, ranks, rank)
         patches = [mock.patch.object(F, "all_gather_bytes", _fake_gather(expected))] if fake else []
-        with torch_packing_and_memory(free_bytes), injected(injector), contextlib.ExitStack() as stack:
+        with free_memory(free_bytes), injected(injector), contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
             try:
                 (fg,) = ztriton.flatten_groups([params], tier=tier, headroom_bytes=0)
-            except Exception:  # noqa: BLE001 -- any failure: the values must be intact
+            except Exception as exc:  # noqa: BLE001 -- any failure: the values must be intact
                 _check_intact(params, before)
+                failure = exc
             else:
                 assert torch.equal(bits(fg.flat), expected), f"wrong bytes after fault {kind} #{at}"
                 _check_intact(params, before)
-        if not _hit_anywhere(injector.hit, fake):
+                failure = None
+        hit = _hit_anywhere(injector.hit, fake)
+        assert failure is None or hit, f"{kind} #{at}: failed without any rank reaching the fault: {failure!r}"
+        if not hit:
             return at - 1
     raise AssertionError(f"{kind} sweep did not end within {MAX_STEPS} faults")
 
@@ -159,11 +168,12 @@ def test_defragment_sweep(tier, error):
         tensors = _partitions(4)
         before = [(bits(t).clone(), t.shape) for t in tensors]
         injector = Injector("allocation", at, error)
-        with torch_packing_and_memory(1 << 30), injected(injector):
+        with free_memory(1 << 30), injected(injector):
             try:
                 flat = defragment(tensors, tier=tier, headroom_bytes=0)
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001
                 _check_intact(tensors, before)
+                assert injector.hit, f"allocation #{at}: failed without reaching the fault: {exc!r}"
             else:
                 assert torch.equal(bits(flat), expected)
                 _check_intact(tensors, before)
@@ -171,3 +181,209 @@ def test_defragment_sweep(tier, error):
             assert at > 1 or tier == "device"
             return
     raise AssertionError("the defragment sweep did not end")
+
+
+# ---------------------------------------------------------------------------------------------- partition
+
+
+# Two dtypes (two per-rank buffers), odd numels (padded partitions), and one param of more than two staging chunks
+# (policy.MIN_CHUNK_BYTES) per rank at W = 2, so that the scatter path agrees and scatters chunk by chunk.
+PARTITION_PARAMS = [((5, 3), torch.float32), ((7,), torch.bfloat16), ((2, 3, 3), torch.bfloat16),
+                    ((640_001,), torch.float32), ((11,), torch.float32)]
+PARTITION_CHUNK_BYTES = 1 << 20
+
+
+class _Params(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(bits_tensor(s, d, seed, i).clone())
+                                              for i, (s, d) in enumerate(PARTITION_PARAMS)])
+
+
+def _check_partitioned(module, want, world_size: int, rank: int) -> None:
+    """Every param is a ZeRO-3 param whose partition holds ``rank``'s slice of ``want`` (bits), padding zero."""
+    for i, (p, values) in enumerate(zip(module.parameters(), want)):
+        assert hasattr(p, "ds_id") and tuple(p.ds_shape) == tuple(values.shape), f"param {i} is not partitioned"
+        size = -(-values.numel() // world_size)
+        start = rank * size
+        count = max(0, min(start + size, values.numel()) - start)
+        assert p.ds_tensor.numel() == size, f"param {i}: partition of {p.ds_tensor.numel()} elements, not {size}"
+        assert torch.equal(bits(p.ds_tensor)[:count], bits(values).reshape(-1)[start:start + count]), f"param {i}"
+        assert not bits(p.ds_tensor)[count:].any(), f"param {i}: padding is not zero"
+
+
+def _sweep_partition(kind: str, error, world_size: int, rank: int, ranks=None, fake: bool = False) -> int:
+    """``ztriton.partition`` with the Nth event of ``kind`` failing, N = 1, 2, ...; returns how many faults were
+    injected before a call ran clean. Values are rank 0's (scatter) or each rank's own (local, fake world)."""
+    want = list(_Params(0 if not fake else rank).parameters())
+    for at in range(1, MAX_STEPS):
+        module = _Params(rank)
+        before = [(bits(p).clone(), p.shape) for p in module.parameters()]
+        injector = Injector(kind, at, error, ranks, rank)
+        with injected(injector):  # chunk_bytes given: no memory probe
+            try:
+                result = ztriton.partition(module, chunk_bytes=PARTITION_CHUNK_BYTES)
+            except Exception as exc:  # noqa: BLE001 -- any failure: nothing may have changed
+                params = list(module.parameters())
+                assert not any(hasattr(p, "ds_id") for p in params), f"{kind} #{at}: a param was converted"
+                _check_intact(params, before)
+                failure = exc
+            else:
+                assert result.path.value == ("local" if fake else "scatter")
+                _check_partitioned(module, want, world_size, rank)
+                failure = None
+        hit = _hit_anywhere(injector.hit, fake)
+        assert failure is None or hit, f"{kind} #{at}: failed without any rank reaching the fault: {failure!r}"
+        if not hit:
+            return at - 1
+    raise AssertionError(f"{kind} sweep of partition did not end within {MAX_STEPS} faults")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("kind, error", [("allocation", OutOfMemory), ("allocation", Fault), ("collective", Fault)])
+def test_partition_sweep_local_path(kind, error, rank):
+    """The local path (a fake world: each rank slices its own values) makes no collective of its own."""
+    with fake_world(2, rank):
+        faults = _sweep_partition(kind, error, 2, rank, fake=True)
+    assert faults == (len({d for _, d in PARTITION_PARAMS}) if kind == "allocation" else 0)  # a buffer per dtype
+
+
+def _gloo_partition_sweeps(rank, world_size):
+    return [_sweep_partition("collective", Fault, world_size, rank),  # every rank's Nth collective fails
+            _sweep_partition("allocation", OutOfMemory, world_size, rank),
+            _sweep_partition("allocation", Fault, world_size, rank, ranks={0}),  # rank 0 alone fails (its staging)
+            _sweep_partition("allocation", Fault, world_size, rank, ranks={1})]  # rank 1 alone fails
+
+
+@pytest.mark.slow
+def test_partition_sweep_scatter_path_gloo(gloo_world):
+    """The scatter path (rank 0 scatters its values): every failure, on every rank or on one, is agreed; no rank
+    hangs (the world's timeout fails the test)."""
+    counts = gloo_world(_gloo_partition_sweeps, 2, timeout=120)
+    # collectives: the checks' agreement, then per dtype the buffer's, the staging's and each chunk's (2 + 1 chunks);
+    # allocations: per dtype the buffer (every rank) and rank 0's scatter staging
+    assert counts[0] == counts[1] and counts[0][0] >= 8 and counts[0][1:] >= [4, 4, 2], counts
+
+
+# ---------------------------------------------------------------------------------------------- loader
+
+
+class _Loadable(torch.nn.Module):
+    """Params of odd sizes (padded partitions at W = 2), one spanning several 64-byte staging buffers, and a
+    persistent buffer (loaded whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Parameter(bits_tensor((11, 7), torch.float32, 5, 0).clone())
+        self.small = torch.nn.Parameter(bits_tensor((5,), torch.float32, 5, 1).clone())
+        self.short = torch.nn.Parameter(bits_tensor((3, 3), torch.bfloat16, 5, 2).clone())
+        self.register_buffer("steps", torch.arange(3, dtype=torch.int64))
+
+
+def _loader_checkpoint(folder) -> tuple[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import save_file
+
+    tensors = {"big": bits_tensor((11, 7), torch.float32, 9, 0), "small": bits_tensor((5,), torch.float32, 9, 1),
+               "short": bits_tensor((3, 3), torch.bfloat16, 9, 2), "steps": torch.arange(3, dtype=torch.int64) + 70}
+    path = str(folder / "m.safetensors")
+    save_file(tensors, path)
+    return path, tensors
+
+
+def _outs(module) -> dict[str, torch.Tensor]:
+    """Each target's ``out``: a param's partition, a buffer whole."""
+    outs = {n: p.ds_tensor for n, p in module.named_parameters()}
+    outs.update(dict(module.named_buffers()))
+    return outs
+
+
+def _loaded(name: str, out: torch.Tensor, tensors, world_size: int, rank: int) -> torch.Tensor:
+    """The bits ``out`` holds after a complete load of ``name``."""
+    full = bits(tensors[name]).reshape(-1)
+    if name == "steps":
+        return full
+    start = rank * out.numel()
+    count = max(0, min(start + out.numel(), full.numel()) - start)
+    return torch.cat([full[start:start + count], torch.zeros(out.numel() - count, dtype=full.dtype)])
+
+
+def _stated(error: BaseException) -> tuple[list[str], dict[str, int]] | None:
+    """What a failed load says it wrote: (targets written in full, {target written in part: elements}); None when
+    it says nothing (then nothing may have been written)."""
+    import ast
+    import re
+
+    text = " ".join([str(error), *getattr(error, "__notes__", [])])
+    if "nothing was written" in text:
+        return [], {}
+    full = re.search(r"written in full: (\[[^\]]*\])", text)
+    parts = {m[0]: int(m[1]) for m in re.findall(r"written in part: '([^']+)' \(elements \[0, (\d+)\)", text)}
+    if full is None and not parts:
+        return None
+    return (ast.literal_eval(full[1]) if full else []), parts
+
+
+def _sweep_loader(path, tensors, world_size: int, rank: int, kind: str, threads: int) -> int:
+    from ztriton import staging
+
+    for at in range(1, MAX_STEPS):
+        with fake_world(world_size, rank):
+            module = _Loadable()
+            ztriton.partition(module)
+            outs = _outs(module)
+            for out in outs.values():
+                out.view(torch.uint8).fill_(0x5A)  # not the checkpoint's bytes, nor zeros
+            before = {n: bits(o).clone() for n, o in outs.items()}
+            staging.release()  # the ring allocates its buffers again, where the sweep sees it
+            faults = _failing_reads(Injector("read", at, OSError)) if kind == "read" else injected(
+                Injector("allocation", at, OutOfMemory))
+            with faults as active:
+                try:
+                    ztriton.load_checkpoint(module, path, staging_bytes=64, threads=threads, progress=False)
+                except Exception as exc:  # noqa: BLE001 -- the state must be what the error says
+                    assert active.hit, f"{kind} #{at}: failed without reaching the fault: {exc!r}"
+                    stated = _stated(exc)
+                    full, parts = stated if stated is not None else ([], {})
+                    for name, out in outs.items():
+                        want = _loaded(name, out, tensors, world_size, rank)
+                        if name in full:
+                            assert torch.equal(bits(out), want), f"{kind} #{at}: {name} said written, is not"
+                        elif name in parts:
+                            n = parts[name]
+                            assert torch.equal(bits(out)[:n], want[:n]), f"{kind} #{at}: {name}'s written part"
+                            assert torch.equal(bits(out)[n:], before[name][n:]), f"{kind} #{at}: {name}'s rest"
+                        else:
+                            assert torch.equal(bits(out), before[name]), f"{kind} #{at}: {name} changed ({exc})"
+                else:
+                    for name, out in outs.items():
+                        assert torch.equal(bits(out), _loaded(name, out, tensors, world_size, rank)), name
+            if not active.hit:
+                return at - 1
+    raise AssertionError(f"{kind} sweep of the loader did not end within {MAX_STEPS} faults")
+
+
+@contextlib.contextmanager
+def _failing_reads(injector: Injector):
+    """``os.preadv`` and ``os.pread`` (the loader's reads) fail at the injector's count, from any reader thread."""
+    import threading
+
+    lock = threading.Lock()
+    real = {"preadv": os.preadv, "pread": os.pread}
+
+    def wrap(name):
+        def read(*args):
+            with lock:
+                injector(name)
+            return real[name](*args)
+        return read
+
+    with mock.patch.object(os, "preadv", wrap("preadv")), mock.patch.object(os, "pread", wrap("pread")):
+        yield injector
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("kind, threads", [("read", 1), ("read", 2), ("allocation", 2)])
+def test_loader_sweep(kind, threads, rank, tmp_path):
+    path, tensors = _loader_checkpoint(tmp_path)
+    faults = _sweep_loader(path, tensors, 2, rank, kind, threads)
+    assert faults >= (3 if kind == "read" else 1), faults  # several batches read; the ring's buffers allocated

@@ -535,3 +535,81 @@ def test_mixtral_on_the_gpu_key_on_equals_key_off(tmp_path, fake_world):
         model, _, seen, _ = load(directory, "triton")
     check_partitions(model, {k: v.cuda() for k, v in want.items()}, 8, 7)
     assert not seen.gathered and not seen.calls
+
+
+# ---------------------------------------------------------------------------------------------- a real world
+
+
+def _from_pretrained_on_gloo_rank(rank: int, world_size: int, paths: dict[str, str]) -> dict:
+    """One rank of a gloo world: each checkpoint loaded with the key off and on (module level: it is pickled).
+
+    Returns, per (model, backend): every param's whole partition (padding included) and persistent buffer, copied
+    to the host, what transformers reported, the number of ztriton load reports and the GatheredParameters seen."""
+    assert hf_integration.install(), hf_integration.unsupported_reason()
+    out = {}
+    for name, path in paths.items():
+        for backend in ("torch", "triton"):
+            model, info, seen, reports = load(Path(path), backend)
+            persistent = set(model.state_dict())
+            out[name, backend] = {
+                "partitions": {n: p.ds_tensor.detach().cpu().clone() for n, p in model.named_parameters()},
+                "numels": {n: p.ds_numel for n, p in model.named_parameters()},
+                "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers() if n in persistent},
+                "info": {k: sorted(map(str, v)) for k, v in info.items()},
+                "reports": len(reports), "gathered": list(seen.gathered)}
+            del model
+    return out
+
+
+# (world size, models): uneven splits (the last rank's partitions padded) of a fused-expert Mixtral and a Llama.
+GLOO_WORLDS = [(2, ("mixtral", "llama")), (3, ("mixtral",))]
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoints(tmp_path_factory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    """name -> (checkpoint directory, plain from_pretrained's tensors) of Mixtral and Llama with an odd hidden size."""
+    out = {}
+    for name, overrides in hf_models.ODD_HIDDEN.items():
+        directory = hf_models.save_checkpoint(name, tmp_path_factory.mktemp(f"odd-{name}"), **overrides)
+        out[name] = directory, plain(directory)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, names", GLOO_WORLDS, ids=[f"W{w}-{'-'.join(n)}" for w, n in GLOO_WORLDS])
+def test_key_on_on_every_rank_of_a_gloo_world_is_the_slice_and_key_off(world_size, names, odd_checkpoints,
+                                                                       gloo_world):
+    """Issue 13 on real collectives: on every rank, key on's partition is bit for bit the rank's slice of plain
+    from_pretrained (padding zero) and key off's partition (transformers' own path, whose values travel by
+    broadcast from rank 0, so it is defined on every rank here), with no GatheredParameters."""
+    paths = {name: str(odd_checkpoints[name][0]) for name in names}
+    results = gloo_world(_from_pretrained_on_gloo_rank, world_size, paths, timeout=240.0)
+    padded = 0
+    for rank, result in enumerate(results):
+        for name in names:
+            off, on = result[name, "torch"], result[name, "triton"]
+            where = f"{name} rank {rank} of {world_size}"
+            want = odd_checkpoints[name][1]
+            assert on["reports"] == 1 and on["gathered"] == [], (where, on["reports"], on["gathered"])
+            assert off["reports"] == 0 and off["gathered"], (where, off["gathered"])  # transformers' path ran
+            assert on["info"] == off["info"] == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                                                 "error_msgs": []}, where
+            assert sorted(on["partitions"]) == sorted(off["partitions"]) == sorted(
+                n for n in want if n in on["numels"])
+            for param, partition in on["partitions"].items():
+                numel = on["numels"][param]
+                assert numel == want[param].numel() == off["numels"][param], (where, param)
+                size = math.ceil(numel / world_size)
+                start = rank * size
+                count = max(0, min(start + size, numel) - start)
+                assert partition.numel() == off["partitions"][param].numel() == size, (where, param)
+                expected = bits(want[param].to(partition.dtype)).reshape(-1)[start:start + count]
+                assert torch.equal(bits(partition)[:count], expected), f"{where}: {param} is not the rank's slice"
+                assert torch.equal(bits(partition)[:count], bits(off["partitions"][param])[:count]), \
+                    f"{where}: {param} differs from key off"
+                assert not bits(partition)[count:].any(), f"{where}: {param}'s padding is not zero"
+                padded += rank == world_size - 1 and count < size
+            for buffer, value in on["buffers"].items():
+                assert torch.equal(bits(value), bits(want[buffer].to(value.dtype))), (where, buffer)
+                assert torch.equal(bits(value), bits(off["buffers"][buffer])), (where, buffer)
+    assert padded >= 4 * len(names), "odd-sized params (padded partitions on the last rank) were meant to be covered"
