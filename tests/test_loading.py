@@ -475,6 +475,69 @@ def test_load_into_checks_every_target_first(tmp_path):
     assert torch.equal(good, torch.full((4,), 9.0)) and not shared.any()
 
 
+BAD_LOAD_ARGUMENTS = [
+    ("checkpoint", None, TypeError), ("checkpoint", 3, TypeError), ("checkpoint", "", ValueError),
+    ("group", [0, 1], ValueError), ("group", 0, ValueError),  # without torch.distributed: no group to give
+    ("sources", [Key("weight")], TypeError), ("sources", torch.ones(2), TypeError),
+    ("sources", {"weight": "weight"}, TypeError), ("sources", {0: Key("weight")}, TypeError),
+    ("strict", torch.ones(2), TypeError), ("strict", 1, TypeError),
+    ("progress", torch.ones(2), TypeError), ("progress", None, TypeError),
+    ("threads", 2**64, ValueError), ("threads", 0, ValueError), ("threads", 65, ValueError),
+    ("threads", True, TypeError), ("threads", 2.0, TypeError),
+    ("staging_bytes", 2**64, ValueError), ("staging_bytes", 63, ValueError), ("staging_bytes", True, TypeError),
+    ("staging_bytes", "64", TypeError),
+]
+
+
+@pytest.mark.parametrize("arg,value,error", BAD_LOAD_ARGUMENTS,
+                         ids=[f"{a}-{type(v).__name__}-{i}" for i, (a, v, _) in enumerate(BAD_LOAD_ARGUMENTS)])
+def test_bad_arguments_are_refused_before_the_checkpoint_is_opened(tmp_path, monkeypatch, arg, value, error):
+    save_file({"weight": torch.randn(2, 3), "bias": torch.randn(2)}, str(tmp_path / "m.safetensors"))
+    opened = []
+    real_read_header = checkpoint_module._read_header
+    monkeypatch.setattr(checkpoint_module, "_read_header", lambda f: opened.append(f) or real_read_header(f))
+    module = torch.nn.Linear(3, 2)
+    before = [bits(p.detach()).clone() for p in module.parameters()]
+    args = dict(checkpoint=tmp_path / "m.safetensors", group=None, sources=None, strict=False, progress=False,
+                staging_bytes=None, threads=2)
+    args[arg] = value
+    with pytest.raises(error, match=arg):
+        load_checkpoint(module, **args)
+    assert not opened, f"the checkpoint was opened before {arg}={value!r} was refused"
+    assert all(torch.equal(b, bits(p.detach())) for b, p in zip(before, module.parameters()))
+    # The same arguments of load_into are checked by the same code, as early.
+    if arg in ("progress", "threads", "staging_bytes"):
+        out = torch.full((6,), 7.0)
+        with pytest.raises(error, match=arg):
+            load_into([Target("weight", Key("weight"), (2, 3), out)], tmp_path / "m.safetensors", **{arg: value})
+        assert not opened and torch.equal(out, torch.full((6,), 7.0))
+
+
+def test_load_into_refuses_targets_that_are_not_a_sequence(tmp_path):
+    save_file({"a": torch.ones(3)}, str(tmp_path / "m.safetensors"))
+    for junk in (None, 3, "a"):
+        with pytest.raises(TypeError, match="targets"):
+            load_into(junk, tmp_path / "m.safetensors")
+    with pytest.raises(TypeError, match=r"targets\[0\]"):
+        load_into([torch.ones(3)], tmp_path / "m.safetensors")
+
+
+def test_kernels_run_on_follows_what_triton_decided(monkeypatch):
+    """triton chose at its import whether it interprets: TRITON_INTERPRET=1 set later must not send
+    CPU tensors to kernels that cannot run there (the loader would fail halfway); "0" still opts out."""
+    from ztriton.kernels import plan
+    from ztriton.memory import kernels_run_on
+
+    assert plan.INTERPRETED and os.environ["TRITON_INTERPRET"] == "1"  # conftest set it before the import
+    assert kernels_run_on(torch.device("cpu"))
+    assert not kernels_run_on(torch.device("meta"))
+    monkeypatch.setattr(plan, "INTERPRETED", False)  # as if triton had been imported without the variable
+    assert not kernels_run_on(torch.device("cpu"))
+    monkeypatch.undo()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels_run_on(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("threads,staging", [(1, 64), (2, 80), (3, 4096)])
 def test_batching_and_threads_do_not_change_the_result(tmp_path, monkeypatch, threads, staging):
     tensors, sources, fused = expert_checkpoint(experts=4, ffn=3, hidden=6)

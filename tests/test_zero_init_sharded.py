@@ -373,3 +373,34 @@ def test_cuda_causal_mask_buffers_end_on_the_device(fake_world):
             model = CausalMask()
         for name, b in model.named_buffers():
             assert b.device == torch.device(init.local_device) and b.device.type == "cuda", name
+
+
+_NO_DYNAMO_SCRIPT = """
+import os, sys
+os.environ.setdefault("TRITON_INTERPRET", "1"); os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, deepspeed
+from ztriton.testing import simulated_world
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.empty(64, 64)); torch.nn.init.trunc_normal_(self.a, std=0.02)
+        self.b = torch.nn.Parameter(torch.empty(64, 64)); torch.nn.init.normal_(self.b, std=0.02)
+cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+       "partition_backend": "triton", "ztriton": {"host_init_bytes": 1024}}
+with simulated_world(2, 1):
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        m = M()
+print("RESULT", "torch._dynamo" in sys.modules, m.a.ds_tensor.numel(), m.b.ds_tensor.numel())
+"""
+
+
+def test_a_fresh_process_records_without_importing_dynamo():
+    """Placeholders under zero.Init in a fresh process: no crash (torch._dynamo cannot be imported once
+    DeepSpeed has patched Tensor.__new__) and no torch._dynamo import at all (1.3-1.8 s of fixed cost)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_DYNAMO_SCRIPT], capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
+    assert lines[-1] == "RESULT False 2048 2048"

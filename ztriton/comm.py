@@ -66,6 +66,12 @@ def world_of(group: Any, *, required: bool = False) -> World:
             raise ValueError("group= was given but torch.distributed is not initialised; "
                              "call torch.distributed.init_process_group first, or pass group=None")
         return World(0, 1, None)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on the ranks outside it
+        raise ValueError("this process is not a member of the given group (dist.new_group returned NON_GROUP_MEMBER "
+                         "here); pass the data-parallel group it belongs to")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup (e.g. from dist.new_group) or None for the "
+                        f"default group, got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of the given group; pass the data-parallel group it belongs to")

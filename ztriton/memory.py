@@ -24,8 +24,13 @@ __all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "check_kernels_ta
 
 
 def kernels_run_on(device: torch.device) -> bool:
-    """The Triton kernels run on CUDA tensors, and on CPU tensors only under the interpreter."""
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    """The Triton kernels run on CUDA tensors, and on CPU tensors only under the interpreter.
+
+    triton decided at its import whether it interprets; TRITON_INTERPRET set since cannot make CPU
+    tensors launchable, but unset (or "0") it still sends them to the plain-torch path."""
+    from ztriton.kernels.plan import runs_on  # kernels import triton: only when asked
+
+    return runs_on(device) and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def synchronize(device: torch.device | None = None) -> None:
@@ -85,20 +90,36 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _nvml_free(index: int) -> tuple[int, int] | None:
-    """(free, total) of a CUDA device as the driver sees it, other processes included; None if NVML fails
-    (not installed, or a device such as GB10 that refuses ``nvmlDeviceGetMemoryInfo``)."""
+# (pid, pynvml module or None): NVML initialised once per process. nvmlInit costs 0.1 s to over a second on
+# a multi-GPU host and every probe would pay it with an init/shutdown pair; a forked child initialises anew.
+_NVML: list[tuple[int, Any]] = []
+
+
+def _nvml() -> Any:
+    """pynvml, initialised for this process; None if NVML is not usable (not installed, no driver)."""
+    if _NVML and _NVML[0][0] == os.getpid():
+        return _NVML[0][1]
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        try:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            physical = int(visible.split(",")[index]) if visible else index
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
-            return int(info.free), int(info.total)
-        finally:
-            pynvml.nvmlShutdown()
+        pynvml.nvmlInit()  # never shut down: the process's exit releases it, as torch's own NVML use does
+    except Exception:
+        pynvml = None
+    _NVML[:] = [(os.getpid(), pynvml)]
+    return pynvml
+
+
+def _nvml_free(index: int) -> tuple[int, int] | None:
+    """(free, total) of a CUDA device as the driver sees it, other processes included; None if NVML fails
+    (not installed, or a device such as GB10 that refuses ``nvmlDeviceGetMemoryInfo``)."""
+    pynvml = _nvml()
+    if pynvml is None:
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = int(visible.split(",")[index]) if visible else index
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
+        return int(info.free), int(info.total)
     except Exception:
         return None
 

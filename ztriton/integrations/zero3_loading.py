@@ -16,8 +16,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ztriton.loading import (DEFAULT_THREADS, Checkpoint, CheckpointError, Key, LoadReport, Source, Target, leaf_keys,
-                             load_into)
+from ztriton.comm import world_of
+from ztriton.loading import (DEFAULT_THREADS, Checkpoint, CheckpointError, Concat, Key, LoadReport, Source, Stack,
+                             Target, check_options, leaf_keys, load_into)
 
 __all__ = ["load_checkpoint", "module_targets"]
 
@@ -66,11 +67,27 @@ def _persistent_buffers(module: torch.nn.Module):
                 yield (f"{prefix}.{name}" if prefix else name), buf
 
 
+def _check_sources(sources: object) -> dict[str, Source]:
+    """``sources`` as a dict, refused (naming it) unless it maps param names to Key/Stack/Concat."""
+    if sources is None:
+        return {}
+    if not isinstance(sources, Mapping):
+        raise TypeError(f"sources must be a mapping of parameter name -> Key, Stack or Concat (or None), got "
+                        f"{type(sources).__name__}")
+    for name, source in sources.items():
+        if not isinstance(name, str):
+            raise TypeError(f"sources keys must be parameter names (str), got {name!r} ({type(name).__name__})")
+        if not isinstance(source, (Key, Stack, Concat)):
+            raise TypeError(f"sources[{name!r}] must be a ztriton.loading Key, Stack or Concat, got "
+                            f"{type(source).__name__}")
+    return dict(sources)
+
+
 def module_targets(module: torch.nn.Module, checkpoint: Checkpoint, group=None,
                    sources: Mapping[str, Source] | None = None):
     """The module's targets (one per tensor object: tied names share one), its missing keys, and the
     stand-ins of non-contiguous tensors to copy back after the load."""
-    sources = dict(sources or {})
+    sources = _check_sources(sources)
     named: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in [*module.named_parameters(remove_duplicate=False), *_persistent_buffers(module)]:
         named.setdefault(id(tensor), []).append((name, tensor))
@@ -118,6 +135,13 @@ def load_checkpoint(module: torch.nn.Module, checkpoint: Checkpoint | str | os.P
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    # Every argument is checked before the checkpoint is opened.
+    check_options(staging_bytes=staging_bytes, threads=threads, progress=progress)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    sources = _check_sources(sources)
+    if group is not None:
+        world_of(group)  # a ProcessGroup this process belongs to, in an initialised world
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint(checkpoint)
     targets, missing, stand_ins = module_targets(module, checkpoint, group, sources)

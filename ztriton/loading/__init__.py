@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ztriton.loading.checkpoint import Checkpoint, CheckpointError, TensorInfo
-from ztriton.loading.reader import DEFAULT_STAGING_BYTES, DEFAULT_THREADS, run_jobs
+from ztriton.loading.reader import DEFAULT_STAGING_BYTES, DEFAULT_THREADS, check_options, run_jobs
 from ztriton.loading.sources import Concat, Key, Source, Span, Stack, built_shape, leaf_keys, resolve_window
 from ztriton.loading.targets import Target, plan_targets
 
 __all__ = ["Key", "Stack", "Concat", "Source", "Span", "Target", "Checkpoint", "TensorInfo", "CheckpointError",
            "LoadReport", "load_into", "built_shape", "leaf_keys", "resolve_window", "DEFAULT_STAGING_BYTES",
-           "DEFAULT_THREADS"]
+           "DEFAULT_THREADS", "check_options"]
 
 
 @dataclass
@@ -61,9 +61,12 @@ def load_into(targets: Sequence[Target], checkpoint: Checkpoint | str | os.PathL
     A read that fails midway raises CheckpointError saying which targets were written (a target
     whose bytes fit one staging buffer is written all at once, after its reads).
     """
+    check_options(staging_bytes=staging_bytes, threads=threads, progress=progress)
+    if isinstance(targets, (str, bytes)) or not hasattr(targets, "__iter__"):
+        raise TypeError(f"targets must be a sequence of ztriton.loading.Target, got {type(targets).__name__}")
+    targets = list(targets)
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint(checkpoint)
-    targets = list(targets)
     jobs = plan_targets(targets, checkpoint)
     bytes_read = run_jobs(jobs, staging_bytes=staging_bytes, threads=threads, progress=progress)
     return LoadReport(bytes_read=bytes_read, loaded=[t.name for t in targets])

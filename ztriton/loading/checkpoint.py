@@ -163,6 +163,13 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"checkpoint must be the path (str or os.PathLike) of a .safetensors file, a directory of "
+                            f"them or a *.safetensors.index.json, or a ztriton.loading.Checkpoint; got "
+                            f"{type(path).__name__}")
+        if not os.fspath(path):  # Path("") is the working directory: never what was meant
+            raise ValueError("checkpoint is an empty path; give a .safetensors file, a directory of them, or a "
+                             "*.safetensors.index.json")
         self.path = Path(path)
         files, expected = self._files()
         self._tensors: dict[str, TensorInfo] = {}

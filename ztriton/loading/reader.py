@@ -33,7 +33,8 @@ from ztriton.loading.checkpoint import CheckpointError, TensorInfo, close_files,
 from ztriton.loading.targets import Job
 from ztriton.memory import kernels_run_on, synchronize
 
-__all__ = ["DEFAULT_STAGING_BYTES", "DEFAULT_THREADS", "MIN_STAGING_BYTES", "run_jobs"]
+__all__ = ["DEFAULT_STAGING_BYTES", "DEFAULT_THREADS", "MAX_STAGING_BYTES", "MAX_THREADS", "MIN_STAGING_BYTES",
+           "check_options", "run_jobs"]
 
 MiB = 1 << 20
 # One host staging buffer: large enough that a preadv and a host-to-device copy run at full speed
@@ -42,9 +43,13 @@ MiB = 1 << 20
 DEFAULT_STAGING_BYTES = 64 * MiB
 # Below this the per-batch costs dominate; tests go that low to exercise batching on tiny tensors.
 MIN_STAGING_BYTES = 64
+# A byte count torch can allocate (int64); one buffer never exceeds what the load needs anyway.
+MAX_STAGING_BYTES = 2**63 - 1
 # Reader threads: one read runs while another buffer's bytes go to the device; a second keeps the
 # disk busy through a read's fixed costs.
 DEFAULT_THREADS = 2
+# Each thread holds one staging buffer: far more than a disk's queue depth only takes host memory.
+MAX_THREADS = 64
 # Staged ranges start at multiples of 16 bytes: any dtype can be viewed there and the kernels move
 # 16-byte words.
 ALIGN = 16
@@ -381,12 +386,32 @@ def _progress_bar(total: int):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading checkpoint (ztriton)")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_options(*, staging_bytes: object, threads: object, progress: object) -> None:
+    """Refuse a load's options before anything is opened, read or written (TypeError for the wrong
+    type, ValueError out of range, each naming the argument)."""
+    if staging_bytes is not None:
+        if not _is_int(staging_bytes):
+            raise TypeError(f"staging_bytes must be an int or None (default {DEFAULT_STAGING_BYTES}), got "
+                            f"{type(staging_bytes).__name__}")
+        if not MIN_STAGING_BYTES <= staging_bytes <= MAX_STAGING_BYTES:
+            raise ValueError(f"staging_bytes must be in [{MIN_STAGING_BYTES}, 2**63 - 1], got {staging_bytes}")
+    if not _is_int(threads):
+        raise TypeError(f"threads must be an int (default {DEFAULT_THREADS}), got {type(threads).__name__}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be in [1, {MAX_THREADS}] (reader threads, each with a staging buffer), "
+                         f"got {threads}")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be a bool, got {type(progress).__name__}")
+
+
 def staging_capacity(jobs: list[Job], staging_bytes: int | None) -> int:
     """Bytes of one staging buffer: the requested size (or the default), no more than the load needs."""
     if staging_bytes is None:
         staging_bytes = DEFAULT_STAGING_BYTES
-    elif not isinstance(staging_bytes, int) or isinstance(staging_bytes, bool) or staging_bytes < MIN_STAGING_BYTES:
-        raise ValueError(f"staging_bytes must be an int >= {MIN_STAGING_BYTES}, got {staging_bytes!r}")
     need = sum(_aligned(p.count * p.tensor.dtype.itemsize) for job in jobs for p in job.parts)
     return max(ALIGN, min(staging_bytes // ALIGN * ALIGN, need))
 
@@ -394,7 +419,6 @@ def staging_capacity(jobs: list[Job], staging_bytes: int | None) -> int:
 def run_jobs(jobs: list[Job], *, staging_bytes: int | None = None, threads: int = DEFAULT_THREADS,
              progress: bool = False) -> int:
     """Read and write every job; the number of checkpoint bytes read."""
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    check_options(staging_bytes=staging_bytes, threads=threads, progress=progress)
     capacity = staging_capacity(jobs, staging_bytes)
     return _Runner(jobs, capacity, threads, progress).run()

@@ -88,8 +88,7 @@ def placeholder(shape, dtype: torch.dtype | None = None, device: torch.device | 
 
 def prepare() -> None:
     """Probe, once, what the recorder needs to know of this torch (how ``trunc_normal_`` draws). Call it
-    before patching torch's constructors: the probe's first ``trunc_normal_`` imports torch._dynamo, which
-    fails while ``torch.Tensor.__new__`` is replaced (as ``zero.Init`` replaces it)."""
+    before patching torch's constructors (as ``zero.Init`` does): the probe runs real ops."""
     _trunc_normal_is_pointwise()
 
 
@@ -124,6 +123,8 @@ class _Functions(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.recorder._records:  # every call of the construction passes here: no placeholder, no question
+            return func(*args, **kwargs)
         owner = getattr(func, "__self__", None)
         if (owner in _GETTERS or func in _MOVES) and args:
             record = self.recorder.record_of(args[0])
@@ -132,7 +133,19 @@ class _Functions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Dispatch(TorchDispatchMode):
+class _DispatchMode(TorchDispatchMode):
+    """A dispatch mode that torch does not wrap in ``torch._dynamo.disable``. torch >= 2.5 wraps every
+    mode's ``__torch_dispatch__`` so, and the wrapper imports torch._dynamo on the mode's first op
+    (1.5-5 s in a fresh process, and it fails while ``zero.Init`` has replaced ``torch.Tensor.__new__``)
+    and adds a Python frame to every op. Our modes only watch eager construction; nothing compiles
+    through them."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _Dispatch(_DispatchMode):
     def __init__(self, recorder: "Recorder"):
         super().__init__()
         self.recorder = recorder
@@ -308,8 +321,8 @@ class Recorder:
 
     def _placeholders_in(self, args, kwargs) -> list[tuple[torch.Tensor, Record]]:
         found = []
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+        for leaf in _tensor_arguments(args, kwargs):
+            if leaf.is_meta:
                 record = self._records.get(leaf.untyped_storage()._cdata)
                 if record is not None:
                     found.append((leaf, record))
@@ -383,8 +396,7 @@ class Recorder:
         packet = func.overloadpacket
         if (func in RANDOM or func in FILLS or func in POINTWISE) and args and args[0] is target and not others \
                 and _whole(target, record) and _scalars_only(args[1:], kwargs):
-            meta_kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
-            func(*args, **meta_kwargs)  # torch's own argument checks, on the meta tensor
+            _check_arguments(func, target, args[1:], kwargs)
             if func in RANDOM:
                 record.record_random(func, target, args[1:], kwargs)
             else:
@@ -459,6 +471,19 @@ class _Paused:
         self.recorder._paused = self.before
 
 
+def _tensor_arguments(args, kwargs):
+    """The tensors among an aten op's arguments: each one or in a list (``Tensor[]``, ``Tensor?[]``), the
+    only nesting aten schemas have. A plain loop rather than a pytree walk: it runs for every op while
+    any placeholder is alive."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
 def _same_place(device, home: torch.device) -> bool:
     if device is None:
         return True
@@ -485,6 +510,27 @@ def _scalars_only(args, kwargs) -> bool:
     return True
 
 
+# Dtypes whose recordable ops all have CPU kernels (float8 has almost none: it is checked on meta).
+_CPU_CHECKED = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+def _check_arguments(func, target: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    """torch's own argument checks of a recordable op (``std >= 0``, ``from <= to``, a fill value that
+    fits the dtype), raised where the real call would raise them. Run on a one-element CPU tensor, with
+    a private generator for random ops, rather than on the meta tensor: the meta kernels of several of
+    these ops (``normal_``, ``clamp_``) are Python references whose first call imports torch._dynamo
+    (1.5-5 s in a fresh process), and that import fails while ``zero.Init`` has replaced
+    ``torch.Tensor.__new__``."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+    if target.dtype not in _CPU_CHECKED or any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"
+                                               for leaf in tree_leaves((args, kwargs))):
+        func(target, *args, **kwargs)  # a device scalar cannot meet a CPU tensor: checked on meta
+        return
+    if func in RANDOM:
+        kwargs["generator"] = torch.Generator()
+    func(empty((1,), target.dtype, torch.device("cpu")), *args, **kwargs)
+
+
 def _is_view(func) -> bool:
     returns = func._schema.returns
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
@@ -499,7 +545,7 @@ def _trunc_normal_is_pointwise() -> bool:
     if not _POINTWISE_TRUNC_NORMAL:
         seen: set = set()
 
-        class Watch(TorchDispatchMode):
+        class Watch(_DispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 seen.add(func)
                 return func(*args, **(kwargs or {}))

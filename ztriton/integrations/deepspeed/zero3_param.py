@@ -6,6 +6,7 @@ without DeepSpeed's own broadcast and slicing. :func:`partition` is ``ztriton.pa
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ DEFAULT_ZERO3_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization"
 
 def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *, remote_device: str | None = None,
               pin_memory: bool = True, chunk_bytes: int | None = None, headroom_bytes: int | None = None,
-              config: dict | None = None) -> Partitioned:
+              config: dict | str | os.PathLike | None = None) -> Partitioned:
     """Partition every not-yet-partitioned parameter of ``module`` over ``group`` as ZeRO-3 does.
 
     Afterwards ``deepspeed.zero.GatheredParameters(list(module.parameters()))`` gives back the full
@@ -40,12 +41,16 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
             present), as DeepSpeed's ``offload_param``; default: the accelerator.
         chunk_bytes: staging chunk size; default: the policy's pick from free device memory.
         headroom_bytes: device memory the policy leaves free (default 1 GiB).
-        config: a DeepSpeed config dict for the ZeRO-3 machinery (default: stage 3, its defaults).
+        config: a DeepSpeed config (a dict, or the path of a JSON file, as ``deepspeed.zero.Init``'s
+            ``config_dict_or_path``) for the ZeRO-3 machinery (default: stage 3, its defaults).
 
     On any error before the partitions are installed, the parameters are left as they were.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    config = _checked_config(config)
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"pin_memory must be a bool, got {type(pin_memory).__name__}")
     if remote_device not in (None, "cpu"):
         raise ValueError(f"remote_device must be None (the accelerator) or 'cpu', got {remote_device!r}; "
                          "for NVMe offload use deepspeed.zero.Init")
@@ -91,7 +96,33 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def zero3_context(group, remote_device: str | None, pin_memory: bool, config: dict[str, Any] | None):
+def _checked_config(config: object) -> dict[str, Any] | str | None:
+    """``config`` as ``zero.Init``'s ``config_dict_or_path`` takes it (``DeepSpeedConfig``: a dict, or
+    a path or base64 string of JSON; a path object made a str, which DeepSpeed does not accept); any
+    other type would fail somewhere inside DeepSpeed, unnamed."""
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    if config is not None and not isinstance(config, (dict, str)):
+        raise TypeError(f"config must be a DeepSpeed config dict, the path (str or os.PathLike) of a JSON config "
+                        f"file, or None (ZeRO stage 3 with DeepSpeed's defaults), got {type(config).__name__}")
+    return config
+
+
+def _read_config(config: dict[str, Any] | str | os.PathLike):
+    """Parse ``config`` as ``zero.Init`` will, so that a config DeepSpeed cannot read is refused as
+    ``config`` (DeepSpeed reports it with asserts and errors that do not say which argument)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(config)
+    except (AssertionError, ValueError, TypeError, KeyError, OSError) as exc:
+        raise ValueError(f"config: DeepSpeed cannot use this config ({type(exc).__name__}: {exc}); pass a ZeRO "
+                         "stage 3 config dict (with train_micro_batch_size_per_gpu), the path of one, or None") \
+            from exc
+
+
+def zero3_context(group, remote_device: str | None, pin_memory: bool,
+                  config: dict[str, Any] | str | os.PathLike | None):
     """A ``deepspeed.zero.Init`` object that is never entered: it only converts parameters.
 
     Entering it would patch module constructors; constructing it only reads the config and the
@@ -99,8 +130,13 @@ def zero3_context(group, remote_device: str | None, pin_memory: bool, config: di
     """
     import deepspeed
 
+    config = _checked_config(config)
+    if config is None:
+        config = DEFAULT_ZERO3_CONFIG
+    else:
+        _read_config(config)
     return deepspeed.zero.Init(module=None, data_parallel_group=group, remote_device=remote_device,
-                               pin_memory=pin_memory, config_dict_or_path=config or DEFAULT_ZERO3_CONFIG)
+                               pin_memory=pin_memory, config_dict_or_path=config)
 
 
 def _install_partition(param: torch.nn.Parameter, ds_tensor: torch.Tensor, aligned_numel: int,
