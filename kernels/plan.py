@@ -25,7 +25,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .copy import DESC_HEAD, DESC_ROW, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
+from .copy import DESC_HEAD, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
 __all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "check_dst",
            "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]

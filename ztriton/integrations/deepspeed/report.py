@@ -17,10 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Any, Callable
 
-from ztriton.memory import format_bytes
+from ztriton.memory import format_bytes, measure_peak
 
 __all__ = ["banner", "format_seconds", "progress", "step_summary", "timed", "warn_once"]
 
@@ -95,20 +94,12 @@ def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float, pe
 
 def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
     """``work()``, its wall seconds (device synchronised) and the peak device memory it added above what
-    was allocated at its start (None without CUDA). Peak statistics are reset: DeepSpeed's own
-    ``see_memory_usage`` resets them between its steps as well."""
+    was allocated at its start (None without CUDA: not measured). Peak statistics are reset, as DeepSpeed's
+    own ``see_memory_usage`` resets them between its steps."""
     import torch
 
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        return work(), time.perf_counter() - start, None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    out = work()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - start, torch.cuda.max_memory_allocated() - base
+    out, seconds, peak = measure_peak(work)
+    return out, seconds, peak if torch.cuda.is_available() else None
 
 
 class _Progress:
