@@ -404,3 +404,17 @@ def test_a_fresh_process_records_without_importing_dynamo():
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
     assert lines[-1] == "RESULT False 2048 2048"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_one_summary_line_per_init_on_rank_0(rank, fake_world, caplog):
+    """The key's zero.Init ends with one summary line (what moved and how), on rank 0 only."""
+    with fake_world(2, rank), caplog.at_level(logging.INFO, logger="ztriton"):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton")):
+            torch.nn.Linear(64, 64)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ztriton: zero.Init: ")]
+    if rank:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "tier=sharded init + partition" in lines[0], lines
+        assert "params=2, sharded=1" in lines[0]  # the 64 x 64 weight (8 KiB >= 1 KiB) is drawn shard by shard

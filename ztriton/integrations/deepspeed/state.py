@@ -29,6 +29,8 @@ class InitState:
     options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
     done_bytes: int = 0
     done_params: int = 0
+    sharded_params: int = 0  # of done_params: initialised shard by shard (exact sharded init)
+    entered: float | None = None  # perf_counter() when its context was entered (the summary's time)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import inspect
 import logging
 import math
 import numbers
+import time
 import weakref
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ import torch
 
 from ztriton import memory, policy
 from ztriton.comm import world_of
+from ztriton.integrations.deepspeed import report
 from ztriton.integrations.deepspeed.config import settings_from
 from ztriton.integrations.deepspeed.state import STATE, InitState
 from ztriton.integrations.deepspeed.zero3_param import install_partitions, is_zero3_param, unsupported_reason
@@ -177,6 +179,7 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
             recorder.release(record)
         logger.debug("ztriton zero.Init: %d param(s) initialised shard by shard (%s)", len(items),
                      ", ".join(r.describe() for _, _, r in items))
+    STATE.init(init).sharded_params += len(sharded)
     _progress(STATE.init(init), len(sharded), nbytes)
 
 
@@ -289,6 +292,7 @@ def init_add_tensor_creation_wrappers(original, self):
     target = self.dtype if DeepSpeedTensorOverride.dtype in overrides else None
     device = torch.device(self.local_device) if DeepSpeedTensorOverride.device in overrides else torch.device("cpu")
     _stop_recording(self)  # a wrapper pair left unbalanced by an exception: start afresh
+    STATE.init(self).entered = time.perf_counter()
     recorder = Recorder()  # fallbacks materialise on the device the tensor stands for: exact values
     recorder.__enter__()
     _RECORDERS[self] = recorder
@@ -302,8 +306,21 @@ def init_add_tensor_creation_wrappers(original, self):
             remove(self)
         finally:
             _stop_recording(self)
+            _summarise(self)
 
     self._remove_tensor_creation_wrappers = _remove_tensor_creation_wrappers
+
+
+def _summarise(init) -> None:
+    """One summary line on rank 0 when a zero.Init context that partitioned anything ends (what moved,
+    how: sharded init and/or the partition path, bytes, time since the context was entered)."""
+    state = STATE.init(init)
+    if not state.done_params or state.entered is None:
+        return
+    how = "sharded init + partition" if state.sharded_params else "partition"
+    report.step_summary("zero.Init", tier=how, nbytes=state.done_bytes, seconds=time.perf_counter() - state.entered,
+                        peak_bytes=None, params=state.done_params, sharded=state.sharded_params)
+    state.entered = None
 
 
 def _stop_recording(init) -> None:
