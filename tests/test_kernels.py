@@ -403,11 +403,30 @@ def test_n_parts_is_not_specialised():
         assert "n_parts" in names
 
 
+def run_in_threads(work, count: int) -> None:
+    """``work(t)`` for t in range(count), each in its own thread at once; any exception (an assertion
+    included) fails the test after all threads ended."""
+    import threading
+
+    errors = []
+
+    def guarded(t):
+        try:
+            work(t)
+        except Exception as exc:  # surfaced below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
 def test_concurrent_launches_from_two_threads():
     """Two threads packing at once get each its own exact result (under the interpreter the launches
     take turns: it patches triton.language module-wide while a kernel runs)."""
-    import threading
-
     gen = torch.Generator().manual_seed(5)
     jobs = []
     for t in range(2):
@@ -415,26 +434,18 @@ def test_concurrent_launches_from_two_threads():
         sources.append(random_tensor([7, 4], torch.float16, gen).t())
         offsets, end = layout_of([s.numel() for s in sources], [t + 1] * len(sources))
         jobs.append((sources, offsets, end))
-    results, errors = [None, None], []
+    results = [None, None]
 
     def work(t):
-        try:
-            sources, offsets, end = jobs[t]
-            outs = []
-            for _ in range(3):
-                out = poisoned(end, torch.float16)
-                pack(out, sources, offsets)
-                outs.append(out)
-            results[t] = outs
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+        sources, offsets, end = jobs[t]
+        outs = []
+        for _ in range(3):
+            out = poisoned(end, torch.float16)
+            pack(out, sources, offsets)
+            outs.append(out)
+        results[t] = outs
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_in_threads(work, 2)
     for (sources, offsets, end), outs in zip(jobs, results):
         expected = reference_layout(sources, offsets, end, torch.float16)
         assert all(torch.equal(bits(o), bits(expected)) for o in outs)
@@ -466,8 +477,6 @@ def test_cpu_kernels_without_the_interpreter_name_the_variable():
 def test_gpu_two_threads_two_streams():
     """Concurrent packs from two threads, each on its own stream, with plans made on one stream and
     launched on another: every result exact."""
-    import threading
-
     gen = torch.Generator().manual_seed(11)
     jobs = []
     for t in range(2):
@@ -477,32 +486,23 @@ def test_gpu_two_threads_two_streams():
         offsets, end = layout_of([s.numel() for s in sources], [(-i) % 8 for i in range(len(sources))])
         jobs.append((sources, offsets, end, reference_layout(sources, offsets, end, torch.bfloat16)))
     torch.cuda.synchronize()
-    errors = []
 
     def work(t):
-        try:
-            sources, offsets, end, expected = jobs[t]
-            stream = torch.cuda.Stream()
-            other = torch.cuda.Stream()
-            for i in range(20):
-                with torch.cuda.stream(stream):
-                    out = torch.full((end,), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    plan = pack_plan(out, sources, offsets)
-                with torch.cuda.stream(other if i % 2 else stream):  # odd rounds: launched on another stream
-                    if i % 2:
-                        other.wait_stream(stream)
-                    plan.launch()
-                    torch.cuda.current_stream().synchronize()
-                assert torch.equal(bits(out), bits(expected)), (t, i)
-        except Exception as exc:
-            errors.append(exc)
+        sources, offsets, end, expected = jobs[t]
+        stream = torch.cuda.Stream()
+        other = torch.cuda.Stream()
+        for i in range(20):
+            with torch.cuda.stream(stream):
+                out = torch.full((end,), float("nan"), dtype=torch.bfloat16, device="cuda")
+                plan = pack_plan(out, sources, offsets)
+            with torch.cuda.stream(other if i % 2 else stream):  # odd rounds: launched on another stream
+                if i % 2:
+                    other.wait_stream(stream)
+                plan.launch()
+                torch.cuda.current_stream().synchronize()
+            assert torch.equal(bits(out), bits(expected)), (t, i)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
+    run_in_threads(work, 2)
 
 
 # ---------------------------------------------------------------------------------------------
