@@ -232,6 +232,38 @@ def device_breakdown(shapes, layout, entry) -> None:
     free_memory()
 
 
+def pinned_floor_seconds(nbytes: int) -> float:
+    """The hardware floor of moving ``nbytes`` out to host memory and back: one device-to-host and one
+    host-to-device copy through an already pinned buffer (its allocation not timed). Median of 3."""
+    if not CUDA:
+        return 0.0
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    samples = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    del host, dev
+    free_memory()
+    return statistics.median(samples)
+
+
+def add_floors(entry: dict, nbytes: int) -> None:
+    """Evict moves about half the group out and back, host all of it: each tier's time over its floor."""
+    for label, moved in (("ztriton_evict", nbytes // 2), ("ztriton_host", nbytes)):
+        if label in entry:
+            floor = pinned_floor_seconds(moved)
+            entry[label]["pinned_floor_seconds"] = floor
+            entry[label]["over_pinned_floor"] = entry[label]["seconds"] / floor if floor else None
+            if floor:
+                print(f"   {label:26s} pinned floor {floor * 1e3:.0f} ms: {entry[label]['seconds'] / floor:.2f}x",
+                      flush=True)
+
+
 def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_reps: int, skip_host: bool) -> None:
     """Every method on one group of ``shapes``; ``reps`` timed repetitions of the on-device methods
     (milliseconds each), ``slow_reps`` of evict (seconds); one checked-and-timed run of the host paths."""
@@ -253,6 +285,7 @@ def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_r
     if not skip_host:
         run_method("ztriton_host", ztriton_tier("host"), shapes, layout, entry, 0)
         run_method("deepspeed_cpu_fallback", deepspeed_cpu_fallback, shapes, layout, entry, 0)
+    add_floors(entry, nbytes)
     for label in ("ztriton_device", "deepspeed_device"):
         entry[label]["gbps"] = gbps(2 * nbytes, entry[label]["seconds"] * 1e3)
         entry[label]["ratio_to_copy"] = entry[label]["gbps"] / copy_bw
