@@ -51,12 +51,14 @@ def deepspeed_flatten(params, layout):
     return ds_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
 
 
-WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps)
+# The kernels themselves, even where a plan would hand a few contiguous pieces to torch's copy_.
+KERNELS_ONLY = Tuning(torch_pieces=0)
+WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps, torch_pieces=0)
               for step, chunk in [(8 << 10, 16 << 10), (16 << 10, 16 << 10), (16 << 10, 32 << 10),
                                   (32 << 10, 32 << 10), (32 << 10, 64 << 10), (64 << 10, 64 << 10),
                                   (32 << 10, 128 << 10)]
               for warps in (2, 4, 8)]
-TILE_SWEEP = [Tuning(tile_p=tp, tile_c=tc, tile_warps=warps)
+TILE_SWEEP = [Tuning(tile_p=tp, tile_c=tc, tile_warps=warps, torch_pieces=0)
               for tp, tc, warps in [(64, 64, 4), (128, 64, 4), (128, 64, 8), (256, 64, 8), (128, 128, 4),
                                     (64, 128, 4), (256, 32, 4), (128, 32, 2)]]
 
@@ -138,8 +140,8 @@ def bench_contiguous(figures, copy_bw, sweep_on):
     dst = torch.empty_like(src)
     copy_chunk(src, dst)
     assert same_bits(dst, src)
-    ms = time_ms(lambda: copy_chunk(src, dst))
-    plan = make_plan(dst, [Piece(src, 0, n, 0)])
+    ms = time_ms(lambda: copy_chunk(src, dst))  # one contiguous piece: torch's copy_ (Tuning.torch_pieces)
+    plan = make_plan(dst, [Piece(src, 0, n, 0)], tuning=KERNELS_ONLY)
     kernel_ms = time_ms(plan.launch)
     torch_ms = time_ms(lambda: dst.copy_(src))
     if sweep_on:

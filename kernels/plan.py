@@ -454,6 +454,13 @@ class Tuning:
     tile_p: int = 128
     tile_c: int = 128
     tile_warps: int = 4
+    # Up to this many pieces, all contiguous, are copied by torch's copy_ (and the gaps by zero_): a
+    # contiguous run moves at copy bandwidth either way, a few extra launches cost microseconds, and
+    # torch's copy never pays a jit kernel's first-launch cost in a fresh process (~0.5 s on an H200 with
+    # Triton's cache warm, seconds with it cold): zero.Init's per-module partitions and most loader jobs
+    # are this small. The kernels earn their keep on hundreds of pieces (flatten, defragment) and on
+    # strided sources. 0: always launch the kernels (the kernel tests and benchmarks use it).
+    torch_pieces: int = 8
 
 
 @dataclass
@@ -469,6 +476,8 @@ class Plan:
     keep_alive: list
     tables: list = field(default_factory=list)
     stream: Any = None
+    copies: list = field(default_factory=list)  # (out, src) views for torch's copy_ (Tuning.torch_pieces)
+    fills: list = field(default_factory=list)  # views of dst for torch's zero_
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
@@ -488,8 +497,28 @@ class Plan:
                 self._launch_all()
 
     def _launch_all(self) -> None:
+        for out, src in self.copies:
+            out.copy_(src)
+        for out in self.fills:
+            out.zero_()
+        if self.launches and self.stream is not None:
+            _await_warm_up(self.stream.device)
         for kernel, grid, args, kwargs in self.launches:
             kernel[grid](*args, **kwargs)
+
+
+# Background warm-ups in flight, by CUDA device index (kernels/warmup.py registers them here).
+WARMING: dict[int, threading.Thread] = {}
+# A launch waits at most this long for one (a cold compile takes seconds); then it loads the kernel itself.
+_WARM_UP_WAIT_S = 120.0
+
+
+def _await_warm_up(device: torch.device) -> None:
+    """Let a warm-up of ``device`` still loading the kernels finish rather than load them a second time
+    beside it (Triton does not share a load in progress between threads)."""
+    thread = WARMING.get(device.index)
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=_WARM_UP_WAIT_S)
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -563,6 +592,8 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     srcs, zeros = validate(dst, pieces, zero_ranges, what=what)
     _check_launchable(dst)
     keep_alive = [dst, *(p[0] for p in pieces)]
+    if _torch_copies_suffice(srcs, tuning):
+        return _torch_copy_plan(dst, pieces, srcs, zeros, keep_alive)
     if dst.element_size() not in _INT_FOR_ITEMSIZE:
         if not dst.dtype.is_complex:
             raise TypeError(f"dst has dtype {dst.dtype} of {dst.element_size()} bytes, which the kernels do not move")
@@ -609,6 +640,23 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             num_warps=tuning.tile_warps)))
     stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
     return Plan(launches, keep_alive, tables, stream)
+
+
+def _torch_copies_suffice(srcs: _Sources, tuning: Tuning) -> bool:
+    """A few contiguous pieces: torch's copy_ moves them as fast, without a kernel launch (``Tuning.torch_pieces``)."""
+    moving = srcs.count > 0
+    return int(moving.sum()) <= tuning.torch_pieces and bool(srcs.contiguous[moving].all())
+
+
+def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,
+                     keep_alive: list) -> Plan:
+    """The plan of :func:`_torch_copies_suffice`'s case: one ``copy_`` per piece, one ``zero_`` per gap."""
+    copies = [(dst.narrow(0, int(srcs.offset[i]), int(srcs.count[i])),
+               pieces[i][0].reshape(-1).narrow(0, int(srcs.start[i]), int(srcs.count[i])))
+              for i in np.flatnonzero(srcs.count > 0).tolist()]
+    fills = [dst.narrow(0, int(offset), int(count)) for offset, count in zeros.tolist() if count > 0]
+    stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
+    return Plan([], keep_alive, [], stream, copies, fills)
 
 
 def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),

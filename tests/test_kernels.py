@@ -15,11 +15,21 @@ from hypothesis import strategies as st
 from ztriton.kernels import (bits, copy_chunk, pack, pack_plan, pack_slices, torch_copy_chunk, torch_pack,
                              torch_pack_slices)
 
+from ztriton.kernels import plan as plan_module
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool, torch.float64]
 # ZT_EXAMPLES raises the example count for a longer local run.
 FAST = settings(max_examples=int(os.environ.get("ZT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True)
+def kernels_always(monkeypatch, request):
+    """These tests are about the kernels: a plan of a few contiguous pieces launches them too, instead
+    of handing the pieces to torch's copy_ (``Tuning.torch_pieces``; that path has its own test below)."""
+    if "torch_copies" not in request.node.name:
+        monkeypatch.setattr(plan_module, "_torch_copies_suffice", lambda srcs, tuning: False)
 
 
 def random_tensor(shape, dtype, generator=None) -> torch.Tensor:
@@ -388,6 +398,43 @@ def test_tables_keep_pointer_arguments_16_byte_aligned():
             assert all(p.data_ptr() % 16 == 0 for p in pointers), [p.data_ptr() % 16 for p in pointers]
         plan.launch()
         assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, end, torch.bfloat16)))
+
+
+@FAST
+@given(data=st.data(), dtype=st.sampled_from(ALL_DTYPES + [torch.complex64]))
+def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, dtype):
+    """Up to ``Tuning.torch_pieces`` contiguous pieces: torch's copy_ and zero_ instead of a launch, the
+    same bytes as the kernels write (pieces anywhere in their sources, gaps before, between and after)."""
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    count = data.draw(st.integers(0, 2))
+    pieces, at = [], data.draw(st.integers(0, 5))
+    for _ in range(count):
+        src = random_tensor([data.draw(st.integers(1, 40))], dtype)
+        start = data.draw(st.integers(0, src.numel() - 1))
+        n = data.draw(st.integers(0, src.numel() - start))
+        pieces.append(Piece(src, start, n, at))
+        at += n + data.draw(st.integers(0, 5))
+    by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
+    torch_plan = make_plan(by_torch, pieces, plan_module.uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at))
+    assert not torch_plan.launches, "a few contiguous pieces should not launch a kernel"
+    torch_plan.launch()
+    make_plan(by_kernels, pieces, plan_module.uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at),
+              tuning=Tuning(torch_pieces=0)).launch()
+    assert torch.equal(bits(by_torch), bits(by_kernels))
+
+
+def test_torch_copies_only_for_few_contiguous_pieces():
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    few = Tuning().torch_pieces
+    sources = [random_tensor([8], torch.float16) for _ in range(few + 1)]
+    dst = poisoned(8 * (few + 1), torch.float16)
+    pieces = [Piece(s, 0, 8, 8 * i) for i, s in enumerate(sources)]
+    assert make_plan(dst, pieces[:few]).copies and not make_plan(dst, pieces[:few]).launches
+    assert make_plan(dst, pieces).launches and not make_plan(dst, pieces).copies
+    strided = random_tensor([4, 2], torch.float16).t()
+    assert make_plan(dst, [Piece(strided, 0, 8, 0)]).launches
 
 
 def test_n_parts_is_not_specialised():

@@ -1,0 +1,72 @@
+"""Load the kernels' commonest variant in a background thread, before the first real launch needs it.
+
+A fresh process pays for its first launch of a jit kernel even when Triton's cache holds the binary:
+Triton hashes its own sources and ``libtriton`` (the cache key, once per process), loads the cubin and
+the launcher stub, and on an empty cache compiles both. Measured on an H200 (``bench/NOTES.md``, cold
+start): about 0.5 s with a warm cache, inside the user's ``deepspeed.initialize``. Most of it is
+hashing and file reads, which release the GIL, so a thread started when a caller first learns that
+the kernels will be needed (a DeepSpeed config with the key) overlaps it with whatever the process
+does next. The thread runs one tiny real copy through the same planning as every launch, so it loads
+exactly the variant real copies use: 16-byte words, the class of every 16-byte aligned param. A real
+launch on the device while the thread still runs waits for it instead of loading the kernel twice.
+
+The thread never picks a device on its own: creating a CUDA context on the wrong GPU would cost that
+GPU memory on every rank. The caller names the device, or the thread is not started.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from .ops import pack_plan
+from .plan import WARMING, Tuning, runs_on
+
+__all__ = ["warm_up", "warm_up_in_background"]
+
+logger = logging.getLogger("ztriton")
+
+_lock = threading.Lock()
+_KERNELS = Tuning(torch_pieces=0)  # a real launch, even for this one tiny piece
+
+
+def warm_up(device: torch.device) -> None:
+    """Launch the 16-byte-word copy once on ``device`` (a CUDA device) and wait for it."""
+    with torch.cuda.device(device):
+        src = torch.arange(8, dtype=torch.int16, device=device)
+        dst = torch.empty(16, dtype=torch.int16, device=device)
+        # 16 bytes copied, 16 zeroed: one launch of the 16-byte word class
+        pack_plan(dst, [src], [0], tuning=_KERNELS).launch()
+        torch.cuda.current_stream(device).synchronize()
+
+
+def warm_up_in_background(device: torch.device | int | str) -> threading.Thread | None:
+    """Start :func:`warm_up` on ``device`` in a daemon thread, once per device and process.
+
+    Returns the thread (the one already started for this device, if any), or None where there is
+    nothing to load (not a CUDA device, or no CUDA). A failure in the thread is logged at debug level
+    and otherwise ignored: the first real launch then loads the kernel itself, as without warm-up.
+    """
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if device.index is None:
+        raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
+    if not runs_on(device):
+        return None
+    with _lock:
+        thread = WARMING.get(device.index)
+        if thread is None:
+            thread = threading.Thread(target=_run, args=(device,), name=f"ztriton-warm-up-cuda{device.index}",
+                                      daemon=True)
+            WARMING[device.index] = thread  # launches on this device wait for it (plan._await_warm_up)
+            thread.start()
+    return thread
+
+
+def _run(device: torch.device) -> None:
+    try:
+        warm_up(device)
+    except Exception as exc:  # noqa: BLE001 -- best effort: the first real launch loads the kernel instead
+        logger.debug("ztriton: kernel warm-up on %s failed (%s); the first copy loads the kernel instead", device, exc)
