@@ -30,6 +30,9 @@ SCRIPT = textwrap.dedent("""
     engine.backward(loss); engine.step()
     print("ZTRITON_LOADED", "ztriton" in sys.modules)
     engine.destroy()
+    # Gloo's threads torn down here, not by the interpreter's exit: under load that exit can abort
+    # ("terminate called without an active exception"), which is gloo's, not the key's.
+    torch.distributed.destroy_process_group()
 """)
 
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",

@@ -116,12 +116,42 @@ def warn_if_no_effect(settings: Settings, zero_stage: int) -> None:
                   "drop the key")
 
 
+def start_kernel_warm_up() -> None:
+    """Load the kernels in the background from the moment a config asks for them: DeepSpeed's own set-up
+    (engine, process groups, the model build) then hides the first launch's fixed cost (``kernels.warmup``).
+
+    Only on the GPU this rank will use: ``LOCAL_RANK`` (DeepSpeed's launcher sets it and DeepSpeed
+    selects that device), else the current device once CUDA is initialised, else the only GPU. With
+    several GPUs and neither, nothing starts: a guess could put a CUDA context on another rank's GPU.
+    """
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if not torch.cuda.is_available() or get_accelerator().device_name() != "cuda":
+        return
+    from ztriton.kernels.warmup import warm_up_in_background
+
+    count = torch.cuda.device_count()
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if local_rank.isdigit() and int(local_rank) < count:
+        index = int(local_rank)
+    elif torch.cuda.is_initialized():
+        index = torch.cuda.current_device()
+    elif count == 1:
+        index = 0
+    else:
+        return
+    warm_up_in_background(index)
+
+
 def config_init(original, self, config, *args, **kwargs):
     """``DeepSpeedConfig.__init__``: the key is read and checked wherever DeepSpeed reads a config."""
     if isinstance(config, type(self)):  # zero.Init(config_dict_or_path=<DeepSpeedConfig>): read its dict
         config = config._param_dict
     original(self, config, *args, **kwargs)
-    settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
+    settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
+    if settings.triton:
+        start_kernel_warm_up()
     if isinstance(self._param_dict, dict):
         from ztriton.integrations.deepspeed.report import warn_once
 

@@ -1,0 +1,128 @@
+"""The background kernel warm-up (``kernels/warmup.py``) and where the DeepSpeed key starts it.
+
+On the CPU: which device the integration picks (never a guess among several GPUs), that nothing starts
+without CUDA or without the key, and that one thread serves a device. On a GPU: the thread loads the
+exact variant a real 16-byte-aligned pack uses, so that pack compiles nothing more.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ztriton.integrations.deepspeed import config as ds_config
+from ztriton.kernels import warmup
+
+
+@pytest.fixture
+def started(monkeypatch):
+    """Record the devices the integration asks to warm up, with CUDA faked as available."""
+    calls = []
+    monkeypatch.setattr(warmup, "warm_up_in_background", lambda index: calls.append(index))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+    class CudaAccelerator:
+        def device_name(self):
+            return "cuda"
+
+    import deepspeed.accelerator
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: CudaAccelerator())
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("count, local_rank, initialised, expected", [
+    (8, "3", False, [3]),      # DeepSpeed's launcher: the rank's own GPU
+    (1, None, False, [0]),     # the only GPU
+    (8, None, False, []),      # several GPUs, nothing says which: no guess
+    (8, "9", False, []),       # LOCAL_RANK beyond the visible GPUs (CUDA_VISIBLE_DEVICES per rank) ...
+    (8, None, True, [5]),      # CUDA already initialised: the current device
+])
+def test_integration_picks_the_ranks_device_or_none(started, monkeypatch, count, local_rank, initialised, expected):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    if initialised:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    ds_config.start_kernel_warm_up()
+    assert started == expected
+
+
+def test_integration_starts_nothing_on_a_cpu_accelerator(started, monkeypatch):
+    import deepspeed.accelerator
+
+    class CpuAccelerator:
+        def device_name(self):
+            return "cpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: CpuAccelerator())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ds_config.start_kernel_warm_up()
+    assert started == []
+
+
+@pytest.mark.parametrize("backend, expected", [("triton", 1), ("torch", 0)])
+def test_only_a_config_with_the_key_starts_it(monkeypatch, backend, expected):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    import ztriton.integrations.deepspeed  # noqa: F401 -- installs the hooks
+
+    calls = []
+    monkeypatch.setattr(ds_config, "start_kernel_warm_up", lambda: calls.append(1))
+    DeepSpeedConfig({"train_batch_size": 1, "partition_backend": backend, "zero_optimization": {"stage": 2}})
+    assert len(calls) == expected
+
+
+def test_nothing_to_warm_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert warmup.warm_up_in_background(0) is None
+    assert warmup.warm_up_in_background("cpu") is None
+
+
+def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
+    """A second request for the same device gets the first thread; an error in the thread is swallowed
+    (the first real launch then loads the kernel itself)."""
+    ran = []
+    gate = threading.Event()
+
+    def failing(device):
+        ran.append(device)
+        gate.wait(5)
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(warmup, "warm_up", failing)
+    monkeypatch.setattr(warmup, "WARMING", {})
+    first = warmup.warm_up_in_background(7)
+    second = warmup.warm_up_in_background(torch.device("cuda", 7))
+    assert first is second
+    gate.set()
+    first.join(5)
+    assert not first.is_alive() and ran == [torch.device("cuda", 7)]
+    with pytest.raises(ValueError, match="indexed CUDA device"):
+        warmup.warm_up_in_background("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
+    """After the thread, a 16-byte-aligned bf16 pack finds its kernel compiled: no new variant."""
+    from ztriton.kernels import Tuning, pack_plan
+    from ztriton.kernels.copy import _copy_words_kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    warmup.warm_up_in_background(device).join(120)
+
+    def variants() -> int:  # triton keeps (compiled kernels by specialisation, ...) per device
+        return len(_copy_words_kernel.device_caches[device.index][0])
+
+    loaded = variants()
+    assert loaded >= 1
+    sources = [torch.randn(4096, 64, device=device).to(torch.bfloat16) for _ in range(3)]
+    flat = torch.full((3 * 4096 * 64 + 64,), float("nan"), dtype=torch.bfloat16, device=device)
+    pack_plan(flat, sources, [0, 4096 * 64, 2 * 4096 * 64], tuning=Tuning(torch_pieces=0)).launch()
+    assert torch.equal(flat[:4096 * 64].view(4096, 64), sources[0])
+    assert variants() == loaded
