@@ -1,8 +1,8 @@
 """Fault-injection sweep (issue 16): the Nth allocation, then the Nth collective, fails; N = 1, 2, ...
 until a call runs without reaching the fault.
 
-Allocations fail through ``memory.fault_hook`` (every allocation of ``ztriton.memory``'s helpers and
-of the staging ring), collectives through ``comm.fault_hook`` (every collective of ``ztriton.comm``).
+Allocations fail through ``memory.fault_hook`` (every allocation of ``ztriton.memory``'s helpers, of
+the staging ring and of the spill pool), collectives through ``comm.fault_hook`` (every collective of ``ztriton.comm``).
 After each call, either it succeeded (through a fallback tier) with the right bytes, or it raised and
 every param / tensor still holds its original bytes and shape. On gloo the same N fails on every rank
 (they take the same steps) or, for allocations, on one rank only (the ranks must agree, not hang: the
@@ -21,7 +21,7 @@ import torch
 import ztriton
 from ds_reference import bits, bits_tensor
 from worlds import fake_world
-from ztriton import comm, memory
+from ztriton import comm, memory, staging
 from ztriton.defragmenting import defragment
 from ztriton.flatten import tiers as F
 from ztriton.memory import MemoryInfo, OutOfMemory
@@ -89,6 +89,7 @@ def _sweep_flatten(tier: str, free_bytes: int, kind: str, error, rank: int = 0, 
             with free_memory(1 << 30):
                 expected = bits(ztriton.flatten_groups([_params(3)], headroom_bytes=0)[0].flat).clone()
         injector = Injector(kind, at, error, ranks, rank)
+        staging.release()  # the spill pool allocates its block again, where the sweep sees it
         patches = [mock.patch.object(F, "all_gather_bytes", _fake_gather(expected))] if fake else []
         with free_memory(free_bytes), injected(injector), contextlib.ExitStack() as stack:
             for patch in patches:
@@ -168,6 +169,7 @@ def test_defragment_sweep(tier, error):
         tensors = _partitions(4)
         before = [(bits(t).clone(), t.shape) for t in tensors]
         injector = Injector("allocation", at, error)
+        staging.release()  # the spill pool allocates its block again, where the sweep sees it
         with free_memory(1 << 30), injected(injector):
             try:
                 flat = defragment(tensors, tier=tier, headroom_bytes=0)
@@ -324,8 +326,6 @@ def _stated(error: BaseException) -> tuple[list[str], dict[str, int]] | None:
 
 
 def _sweep_loader(path, tensors, world_size: int, rank: int, kind: str, threads: int) -> int:
-    from ztriton import staging
-
     for at in range(1, MAX_STEPS):
         with fake_world(world_size, rank):
             module = _Loadable()

@@ -353,33 +353,38 @@ def test_params_alias_the_buffer_both_ways():
     assert torch.equal(params[0].grad, torch.full((2, 3), 2.0)) and fg.flat.grad is None
 
 
-def test_evicted_params_copy_through_the_staging_ring(monkeypatch):
-    """Evict and host tiers: params go to pageable host memory and back through the shared staging ring,
-    chunk_bytes at a time; a repeated call allocates no staging buffer (the ring's are reused)."""
+def test_evicted_params_go_through_the_spill_pool(monkeypatch):
+    """Evict and host tiers: params go to the process's spill memory and come back from it, one copy each,
+    not through the staging ring; only the first call allocates host memory (the pool's block is reused),
+    and none stays lent once the params alias the flat buffer."""
     from ztriton import staging
 
-    copies, allocations = [], []
-    real = staging.copy_staged
+    staging.release()
+    loans, allocations = [], []
+    real = staging.spill
 
-    def spy(dst, src, chunk_bytes=None):
-        copies.append((src.numel() * src.element_size(), chunk_bytes))
-        return real(dst, src, chunk_bytes)
+    def spy(nbytes, device=None, what="host spill"):
+        loan = real(nbytes, device, what)
+        loans.append(loan.data_ptr())  # the address only: holding the tensor would keep the loan
+        return loan
 
-    monkeypatch.setattr(staging, "copy_staged", spy)
+    monkeypatch.setattr(staging, "spill", spy)
+    monkeypatch.setattr(staging, "copy_staged", mock.Mock(side_effect=AssertionError("copied through the ring")))
     monkeypatch.setattr(memory, "fault_hook", allocations.append)
-    for tier in ["evict", "host", "evict", "host"]:
+    pool = staging.spill_pool()
+    before = pool.allocations
+    for call, tier in enumerate(["evict", "host", "evict", "host"]):
         params = [torch.nn.Parameter(bits_tensor((37,), torch.float16, 2, i)) for i in range(4)]
         values = [p.detach().clone() for p in params]
-        copies.clear()
         allocations.clear()
         with _memory(0):
             (fg,) = ztriton.flatten_groups([params], tier=tier, headroom_bytes=0, chunk_bytes=1 << 20)
         layout = zero12_group_layout([37] * 4, 1, element_size=2)
         assert torch.equal(bits(fg.flat), bits(_expected_flat(values, layout, torch.float16)))
-        assert all(chunk == 1 << 20 for _, chunk in copies) and len(copies) >= 4
-        assert all(not p.is_pinned() for p in params)
-        assert "staging buffer" not in allocations  # the first test to use the ring allocated it, not this call
-    assert not any(ring.lent for ring in [staging._shared] if ring is not None)
+        assert pool.lent == 0
+        spilled = {"evicted params", "host copy of the params"} & set(allocations)
+        assert spilled == ({"evicted params"} if call == 0 else set()), allocations
+    assert pool.allocations == before + 1 and len(set(loans)) == 1 and len(loans) == 4  # one block, every call
 
 
 def test_torch_path_used_without_interpreter(caplog):
@@ -406,7 +411,11 @@ def test_decision_is_logged(caplog):
 @contextlib.contextmanager
 def _failing_allocations(fail):
     """Make ``memory.empty`` (as the tiers call it, directly or through ``try_empty``) raise an OOM when
-    ``fail(what, count_of_that_what)`` says so."""
+    ``fail(what, count_of_that_what)`` says so. The spill pool starts empty, so that its host memory is
+    allocated (and can fail) in the call, not reused from an earlier test."""
+    from ztriton import staging
+
+    staging.release()
     real, counts = memory.empty, {}
 
     def empty(numel, dtype, device, what):
@@ -691,22 +700,24 @@ def _gpu_params(dtype=torch.bfloat16):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", TIERS, ids=[t.value for t in TIERS])
 def test_tiers_on_gpu(tier):
-    """Each tier on CUDA params (W = 4 on the fake process group): bytes, aliasing, pageable host copies."""
+    """Each tier on CUDA params (W = 4 on the fake process group): bytes, aliasing, pinned host copies."""
     params = _gpu_params()
     values = [p.detach().cpu() for p in params]
     layout = zero12_group_layout([v.numel() for v in values], 4, element_size=2,
                                  trainable=[p.requires_grad for p in params], parameter_alignment=True)
     expected = _expected_flat(values, layout, torch.bfloat16)
-    pinned = []
-    real_host_empty = F.host_empty
+    from ztriton import staging
 
-    def host_empty(*args, **kwargs):
-        buf = real_host_empty(*args, **kwargs)
+    pinned = []
+    real_spill = staging.spill
+
+    def spill(*args, **kwargs):
+        buf = real_spill(*args, **kwargs)
         pinned.append(buf.is_pinned())
         return buf
 
     budget = layout.total_numel  # half the group's bytes
-    with _world(4, 1), _memory(budget), mock.patch.object(F, "host_empty", host_empty):
+    with _world(4, 1), _memory(budget), mock.patch.object(staging, "spill", spill):
         (fg,) = ztriton.flatten_groups([params], tier=tier, parameter_alignment=True, headroom_bytes=0)
     assert fg.tier is tier and fg.flat.is_cuda
     w0, w1 = layout.rank_window(1) if tier is Tier.DISTRIBUTED else (0, layout.total_numel)
@@ -716,8 +727,8 @@ def test_tiers_on_gpu(tier):
         assert p.is_cuda and p.shape == values[j].shape
         assert p.data_ptr() == fg.flat.data_ptr() + fg.offsets[k] * 2
     assert params[-1].data_ptr() != 0 and torch.equal(bits(params[-1].cpu()), bits(values[-1]))
-    if tier in (Tier.EVICT, Tier.HOST):  # host copies are pageable; every transfer goes through the staging ring
-        assert pinned and not any(pinned)
+    if tier in (Tier.EVICT, Tier.HOST):  # host copies live in the pinned spill: one DMA each way
+        assert pinned and all(pinned)
 
 
 @pytest.mark.gpu

@@ -141,3 +141,17 @@ def test_shared_ring_is_reused_grown_and_released(monkeypatch):
     bigger.release(held)
     staging.release()
     assert bigger.allocated_bytes == 0
+
+
+def test_copy_staged_copies_chunk_by_chunk_and_returns_the_buffers(monkeypatch):
+    """The ring copy for pageable memory (no caller in flatten or defragment since they use the spill): host to
+    host here, the same steps as device <-> pageable host, through 1 MiB chunks of the shared ring."""
+    staging.release()
+    monkeypatch.setattr(staging, "_shared", None)  # start without the ring earlier tests left
+    src = torch.randint(0, 256, ((3 << 20) + 17,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    staging.copy_staged(dst.view(torch.uint8), src, chunk_bytes=1 << 20)
+    assert torch.equal(dst, src) and staging._shared.lent == 0 and staging._shared.buffer_bytes == 1 << 20
+    with pytest.raises(ValueError, match="contiguous"):
+        staging.copy_staged(dst[::2], src[::2])
+    staging.release()

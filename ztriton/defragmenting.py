@@ -11,7 +11,8 @@ same contract and result, bit for bit, but:
 * otherwise packs them device to device with one kernel launch into a new buffer (the **device**
   tier), when free memory holds that buffer beside the partitions;
 * otherwise (**evict**) moves just enough whole allocations to host memory to make room, and
-  packs the rest device to device: one round trip, through the pinned staging ring, for only what must move.
+  packs the rest device to device: one pinned round trip (the staging spill: one DMA per tensor each
+  way, no host copy) for only what must move.
 
 Every input is checked before anything moves. A tensor's ``.data`` changes only once a complete copy
 of it exists elsewhere; if the flat buffer cannot be had even so, the evicted tensors are moved back
@@ -28,7 +29,7 @@ import torch
 
 from ztriton import memory, policy, staging
 from ztriton.kernels import Piece, pack_slices, torch_run
-from ztriton.memory import alias, format_bytes, host_empty, kernels_run_on, synchronize, try_empty
+from ztriton.memory import alias, format_bytes, kernels_run_on, synchronize, try_empty
 from ztriton.policy import Options, Tier
 
 logger = logging.getLogger("ztriton")
@@ -160,7 +161,8 @@ def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequence[int] | None = None) -> None:
     """Copy ``tensors`` (or the indices ``only``) to their places in ``flat``: one kernel launch for the
-    ones on flat's device, ``copy_`` (pinned: asynchronous) for the others."""
+    ones on flat's device, one ``copy_`` each for the others (from the pinned spill: asynchronous, and
+    finished when this returns)."""
     offsets = _offsets(tensors)
     chosen = range(len(tensors)) if only is None else only
     slices = [(_flat_view(tensors[i]), 0, tensors[i].numel(), offsets[i]) for i in chosen if tensors[i].numel()]
@@ -170,9 +172,11 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequen
         pack_slices(flat, local)
         local = []
     torch_run(flat, [Piece(*s) for s in local])
-    for src, _, count, offset in slices:
-        if src.device != flat.device:  # evicted: contiguous host buffers, through the pinned staging ring
-            staging.copy_staged(flat.narrow(0, offset, count), src)
+    evicted = [s for s in slices if s[0].device != flat.device]
+    if evicted:
+        with staging.synchronized(flat.device):
+            for src, _, count, offset in evicted:  # contiguous views of the spill
+                flat.narrow(0, offset, count).copy_(src, non_blocking=True)
 
 
 def _flat_view(t: torch.Tensor) -> torch.Tensor:
@@ -214,24 +218,28 @@ def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[
 
 
 def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> list[int]:
-    """Copy ``tensors[indices]`` into one pageable host buffer (through the pinned staging ring) and
-    re-point them there once every copy is complete, so that their device storages can be freed;
-    returns the indices moved. A failure before the re-pointing leaves the tensors as they were."""
+    """Copy ``tensors[indices]`` into spill memory and re-point them there once every copy is complete,
+    so that their device storages can be freed; returns the indices moved. A failure before the
+    re-pointing leaves the tensors as they were.
+
+    The spill (``staging.spill``) is pinned host memory kept by the process for the next call: each
+    tensor goes out with one asynchronous DMA. Tensors pointing into it keep it lent, so memory that a
+    tensor still lives in after a failure is never lent again; once they alias the flat buffer it is free.
+    """
     indices = list(indices)
     if not indices:
         return []
-    device = tensors[0].device
-    staged = host_empty(sum(tensors[i].numel() for i in indices), tensors[0].dtype, "evicted partitions", pin=False)
+    device, dtype = tensors[0].device, tensors[0].dtype
+    numel = sum(tensors[i].numel() for i in indices)
+    staged = staging.spill(numel * tensors[0].element_size(), device, "evicted partitions").view(dtype)
     at, places = 0, []
-    for i in indices:
-        n = tensors[i].numel()
-        src = tensors[i].detach()
-        if src.is_contiguous():
-            staging.copy_staged(staged.narrow(0, at, n), src)
-        else:  # a strided 1-D partition: torch's own copy (small; partitions are contiguous in practice)
-            staged.narrow(0, at, n).copy_(src)
-        places.append(at)
-        at += n
+    with staging.synchronized(device):
+        for i in indices:
+            n = tensors[i].numel()
+            # a strided 1-D partition (small; partitions are contiguous in practice): torch makes it contiguous
+            staged.narrow(0, at, n).copy_(tensors[i].detach(), non_blocking=True)
+            places.append(at)
+            at += n
     for i, at in zip(indices, places):
         tensors[i].data = staged.narrow(0, at, tensors[i].numel())
     if device.type == "cuda":

@@ -208,9 +208,10 @@ def try_empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: 
 def host_empty(numel: int, dtype: torch.dtype, what: str, *, pin: bool | None = None) -> torch.Tensor:
     """A host buffer: pinned if ``pin`` (default: when there is a GPU), pageable if pinning fails.
 
-    Large buffers that outlive one copy (params moved out of the device) should be pageable
-    (``pin=False``): pinning costs seconds per GiB and torch rounds pinned blocks up to a power of
-    two; their copies go through the pinned staging ring (:func:`ztriton.staging.copy_staged`).
+    Large buffers that outlive one copy should not come from here pinned: pinning costs seconds per GiB
+    and torch rounds pinned blocks up to a power of two. Params moved out of the device go to the
+    staging spill (:func:`ztriton.staging.spill`: pinned once, exactly sized, reused); other large host
+    buffers are pageable (``pin=False``), copied through the staging ring (:func:`ztriton.staging.copy_staged`).
     """
     if torch.cuda.is_available() if pin is None else pin:
         _before_allocation(what)

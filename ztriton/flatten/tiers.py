@@ -22,7 +22,7 @@ from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, all_gather_bytes, same_on_all_ranks
 from ztriton.kernels import copy_chunk, pack, torch_pack
 from ztriton.layout import FlatGroupLayout
-from ztriton.memory import OutOfMemory, empty, format_bytes, host_empty, kernels_run_on, synchronize
+from ztriton.memory import OutOfMemory, empty, format_bytes, kernels_run_on
 from ztriton.policy import FlattenDecision, Options, Tier
 
 logger = logging.getLogger("ztriton")
@@ -93,7 +93,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
 
     When the measured budget holds the flat buffer beside the params it is allocated before anything
     else changes. Otherwise the params must make room: first every param is copied to host memory
-    (pageable, through the staging ring), then pointed there, which frees its device memory; only
+    (the pinned spill, :func:`_host_copy`), then pointed there, which frees its device memory; only
     then is the flat buffer allocated. Every step's outcome is agreed across ranks; any failure
     leaves the params on the device or in that host copy, and falls through on every rank together.
     """
@@ -146,7 +146,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
 
 def _evict_tier(g: Group, run: Run) -> torch.Tensor:
     """Move the fewest params that free enough device memory to host memory, then fill the flat buffer
-    from the rest (one pack launch) and from host memory (copies through the staging ring)."""
+    from the rest (one pack launch) and from host memory (one copy per evicted param)."""
     resident = [k for k in range(len(g.params)) if k not in g.evicted]
     need = run.decision.evict_bytes if run.decision.tier is Tier.EVICT else _evict_estimate(g, run.options)
     picked = policy.choose_evictions([g.numel(k) * g.element_size for k in resident], need)
@@ -158,23 +158,23 @@ def _evict_tier(g: Group, run: Run) -> torch.Tensor:
         _evict(g, [k for k in range(len(g.params)) if k not in g.evicted], run)
         flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     on_device = [k for k in range(len(g.params)) if k not in g.evicted]
-    # The pack zeroes every gap, the evicted params' slots too; the copies below overwrite those.
+    # The pack zeroes every gap, the evicted params' slots too; the copies below overwrite those (queued
+    # after the pack on the same stream).
     _pack(flat, [g.params[k].detach() for k in on_device], [g.offsets[k] for k in on_device])
-    chunk = _chunk_bytes(run)
-    for k in sorted(g.evicted):
-        staging.copy_staged(flat.narrow(0, g.offsets[k], g.numel(k)), g.params[k].detach().reshape(-1), chunk)
-    synchronize(g.device)
+    with staging.synchronized(g.device):
+        for k in sorted(g.evicted):  # from the pinned spill: one asynchronous DMA each, no host copy
+            flat.narrow(0, g.offsets[k], g.numel(k)).copy_(g.params[k].detach().reshape(-1), non_blocking=True)
     return flat
 
 
 def _host_tier(g: Group, run: Run) -> torch.Tensor:
     """Copy every param into one host buffer laid out as the flat buffer, point the params there
-    (freeing their device memory), allocate the flat buffer and copy it in through the staging ring."""
+    (freeing their device memory), allocate the flat buffer and copy the host buffer into it at once."""
     host = _host_copy(g, run, layout=True)
     _point_at(g, host, range(len(g.params)), layout=True)
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-    staging.copy_staged(flat, host, _chunk_bytes(run))
-    synchronize(g.device)
+    with staging.synchronized(g.device):
+        flat.copy_(host, non_blocking=True)  # pinned: one DMA of the whole buffer
     return flat
 
 
@@ -222,20 +222,20 @@ def _chunk_bytes(run: Run) -> int:
 
 
 def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
-    """Copy these params into one pageable host buffer and point them there; their device memory is freed.
+    """Copy these params into spill memory (:func:`_spill`) and point them there; their device memory is freed.
 
     The params are re-pointed only once every copy is complete: a failure on the way leaves them as
-    they were. One buffer rather than one per param; its copies go through the pinned staging ring.
+    they were (and the copies finished, so the spill can be lent again). One buffer for them all.
     """
     if not positions:
         return
-    host = host_empty(sum(g.numel(k) for k in positions), g.dtype, "evicted params", pin=False)
+    host = _spill(g, sum(g.numel(k) for k in positions), "evicted params")
     offset, places = 0, []
-    for k in positions:
-        view = host.narrow(0, offset, g.numel(k))
-        _copy_to_host(view, g.params[k].detach(), run)
-        places.append(offset)
-        offset += g.numel(k)
+    with staging.synchronized(g.device):
+        for k in positions:
+            _copy_to_host(host.narrow(0, offset, g.numel(k)), g.params[k].detach(), run)
+            places.append(offset)
+            offset += g.numel(k)
     for k, at in zip(positions, places):
         g.params[k].data = host.narrow(0, at, g.numel(k)).view(g.shapes[k])
         g.evicted.add(k)
@@ -244,20 +244,33 @@ def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
 
 
 def _host_copy(g: Group, run: Run, layout: bool = False) -> torch.Tensor:
-    """A pageable host buffer holding every param's values: end to end, or (``layout``) at their
-    offsets of the flat layout with its pads zeroed, so that it can be copied to the flat buffer as is."""
+    """Spill memory (:func:`_spill`) holding every param's values: end to end, or (``layout``) at their
+    offsets of the flat layout with its pads zeroed, so that it can be copied to the flat buffer as is.
+    Returns once every copy has landed."""
     numel = g.layout.total_numel if layout else sum(g.layout.numels)
-    host = host_empty(numel, g.dtype, "host copy of the params", pin=False)
+    host = _spill(g, numel, "host copy of the params")
     at = 0
-    for k, p in enumerate(g.params):
-        start = g.offsets[k] if layout else at
-        _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run)
+    with staging.synchronized(g.device):
+        for k, p in enumerate(g.params):
+            start = g.offsets[k] if layout else at
+            _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run)
+            if layout:  # host memory outside every copy's destination: zeroed while the copies run
+                host.narrow(0, start + g.numel(k), g.layout.paddings[k]).zero_()
+            at += g.numel(k)
         if layout:
-            host.narrow(0, start + g.numel(k), g.layout.paddings[k]).zero_()
-        at += g.numel(k)
-    if layout:
-        host.narrow(0, g.layout.packed_numel, g.layout.tail_padding).zero_()
+            host.narrow(0, g.layout.packed_numel, g.layout.tail_padding).zero_()
     return host
+
+
+def _spill(g: Group, numel: int, what: str) -> torch.Tensor:
+    """``numel`` elements of host memory for this group's params, from the process's spill pool.
+
+    Pinned (for a CUDA group), so that each param goes out and comes back with one DMA, and reused by the
+    next call, so that only a process's first call pays for pinning. Params that point into it keep it
+    lent (``staging.SpillPool``): after a failure, memory they still live in is never lent again; once they
+    alias the flat buffer, it is free for the next borrower.
+    """
+    return staging.spill(numel * g.element_size, g.device, what).view(g.dtype)
 
 
 def _point_at(g: Group, host: torch.Tensor, positions: Sequence[int], layout: bool = False) -> None:
@@ -271,24 +284,26 @@ def _point_at(g: Group, host: torch.Tensor, positions: Sequence[int], layout: bo
 
 
 def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
-    """``src`` flattened row-major into the contiguous host view ``dst``, through the staging ring.
+    """``src`` flattened row-major into the contiguous view ``dst`` of spill memory: queued, not waited for
+    (the caller synchronises, ``staging.synchronized``).
 
-    A param already in host memory is copied directly. torch would make a strided device source
-    contiguous on the device first (as large as the param, when memory is short): such sources go
-    through a device chunk with ``copy_chunk``.
+    A contiguous source is one copy (from a device into pinned memory: one asynchronous DMA). torch would
+    make a strided device source contiguous on the device first (as large as the param, when memory is
+    short): such sources go through a device chunk with ``copy_chunk``; the chunk's kernel and its copy
+    out run on one stream, so the next fill of the chunk waits for the copy that reads it.
     """
-    chunk = _chunk_bytes(run)
     if src.is_contiguous():
-        staging.copy_staged(dst, src.reshape(-1), chunk)
+        dst.copy_(src.reshape(-1), non_blocking=True)
         return
     if not kernels_run_on(src.device):
         dst.view(src.shape).copy_(src)
         return
+    chunk = _chunk_bytes(run)
     stage = empty(min(max(1, chunk // src.element_size()), src.numel()), src.dtype, src.device, "staging chunk")
     for start in range(0, src.numel(), stage.numel()):
         n = min(stage.numel(), src.numel() - start)
         copy_chunk(src, stage[:n], start, n)
-        staging.copy_staged(dst[start:start + n], stage[:n], chunk)
+        dst[start:start + n].copy_(stage[:n], non_blocking=True)
 
 
 def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
