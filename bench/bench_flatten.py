@@ -313,7 +313,7 @@ def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_r
     bench_window(shapes, layout, entry, copy_bw)
     run_method("ztriton_evict", ztriton_tier("evict"), shapes, layout, entry, slow_reps, budget=half)
     if not skip_host:
-        run_method("ztriton_host", ztriton_tier("host"), shapes, layout, entry, 0)
+        run_method("ztriton_host", ztriton_tier("host"), shapes, layout, entry, slow_reps)
         run_method("deepspeed_cpu_fallback", deepspeed_cpu_fallback, shapes, layout, entry, 0)
     add_floors(entry, nbytes)
     for label in ("ztriton_device", "deepspeed_device"):

@@ -241,7 +241,11 @@ def copy_staged(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | None = 
     cuda = next((t.device for t in (dst, src) if t.device.type == "cuda"), None)
     stream = _copy_stream(cuda) if cuda is not None else None
     buffers = [shared.acquire()]
-    extra = shared.acquire(block=False)  # never wait for a second buffer while holding one
+    try:
+        extra = shared.acquire(block=False)  # never wait for a second buffer while holding one
+    except BaseException:  # its first allocation failed: the first buffer goes back, not leaked as lent
+        shared.release(buffers[0])
+        raise
     if extra is not None:
         buffers.append(extra)
     step = min(buffers[0].numel(), size)  # a bigger shared ring (the loader's) still copies in chunk_bytes

@@ -93,7 +93,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
 
     When the measured budget holds the flat buffer beside the params it is allocated before anything
     else changes. Otherwise the params must make room: first every param is copied to host memory
-    (the pinned spill, :func:`_host_copy`), then pointed there, which frees its device memory; only
+    (pageable, a backup: :func:`_host_copy`), then pointed there, which frees its device memory; only
     then is the flat buffer allocated. Every step's outcome is agreed across ranks; any failure
     leaves the params on the device or in that host copy, and falls through on every rank together.
     """
@@ -129,7 +129,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
         if run.host_bytes < g.nbytes:
             raise OutOfMemory(f"the flat buffer does not fit beside the params and host memory "
                               f"({format_bytes(run.host_bytes)}) cannot hold a copy of them, so the params were kept")
-        step = agree(world, lambda: _host_copy(g, run))
+        step = agree(world, lambda: _host_copy(g, run, pinned=False))
         if not step.ok:
             raise OutOfMemory(f"distributed tier: no host copy of the params ({step.describe()}); the params were kept")
         _point_at(g, step.value, range(len(g.params)))  # their device memory goes; the host copy holds the values
@@ -243,17 +243,25 @@ def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
                 format_bytes(host.numel() * g.element_size))
 
 
-def _host_copy(g: Group, run: Run, layout: bool = False) -> torch.Tensor:
-    """Spill memory (:func:`_spill`) holding every param's values: end to end, or (``layout``) at their
-    offsets of the flat layout with its pads zeroed, so that it can be copied to the flat buffer as is.
-    Returns once every copy has landed."""
+def _host_copy(g: Group, run: Run, layout: bool = False, pinned: bool = True) -> torch.Tensor:
+    """Host memory holding every param's values: end to end, or (``layout``) at their offsets of the flat
+    layout with its pads zeroed, so that it can be copied to the flat buffer as is. Returns once every copy
+    has landed.
+
+    ``pinned``: spill memory (:func:`_spill`), for a copy that goes back to the device. Otherwise pageable
+    memory filled through the staging ring: a backup that goes back only on failure (the distributed
+    tier's) is not worth pinning, which costs ~0.45 s per GiB on a process's first call (H200 host).
+    """
     numel = g.layout.total_numel if layout else sum(g.layout.numels)
-    host = _spill(g, numel, "host copy of the params")
+    if pinned:
+        host = _spill(g, numel, "host copy of the params")
+    else:
+        host = memory.host_empty(numel, g.dtype, "host copy of the params", pin=False)
     at = 0
     with staging.synchronized(g.device):
         for k, p in enumerate(g.params):
             start = g.offsets[k] if layout else at
-            _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run)
+            _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run, pinned)
             if layout:  # host memory outside every copy's destination: zeroed while the copies run
                 host.narrow(0, start + g.numel(k), g.layout.paddings[k]).zero_()
             at += g.numel(k)
@@ -283,7 +291,7 @@ def _point_at(g: Group, host: torch.Tensor, positions: Sequence[int], layout: bo
         at += g.numel(k)
 
 
-def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
+def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool = True) -> None:
     """``src`` flattened row-major into the contiguous view ``dst`` of spill memory: queued, not waited for
     (the caller synchronises, ``staging.synchronized``).
 
@@ -293,7 +301,10 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run) -> None:
     out run on one stream, so the next fill of the chunk waits for the copy that reads it.
     """
     if src.is_contiguous():
-        dst.copy_(src.reshape(-1), non_blocking=True)
+        if pinned:
+            dst.copy_(src.reshape(-1), non_blocking=True)
+        else:  # pageable: in chunks through the ring, the next chunk's DMA overlapping this one's host copy
+            staging.copy_staged(dst, src.reshape(-1), _chunk_bytes(run))
         return
     if not kernels_run_on(src.device):
         dst.view(src.shape).copy_(src)
