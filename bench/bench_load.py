@@ -121,6 +121,15 @@ def _digest(t) -> str:
     return hashlib.sha256(data.tobytes()).hexdigest()[:32]
 
 
+def _digests(tensors: dict) -> dict:
+    """``_digest`` of each tensor, in threads: SHA-256 releases the GIL, and at W = 1 a 22 GiB model's
+    digests took longer than its load when hashed one after the other (a batch's time limit cut the case)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        return dict(zip(tensors, pool.map(_digest, tensors.values())))
+
+
 def run_case(checkpoint: str, backend: str, world: int, rank: int) -> dict:
     """One ``from_pretrained`` as rank ``rank`` of a simulated world of ``world``: figures and digests."""
     import torch
@@ -156,13 +165,13 @@ def run_case(checkpoint: str, backend: str, world: int, rank: int) -> dict:
         peak_rss = _rss_bytes("VmHWM") - rss0
         read = _rchar() - rchar0
         peak = torch.cuda.max_memory_allocated() - base if cuda else 0
-        digests, partition_bytes = {}, 0
+        partition_bytes, valid_parts = 0, {}
         for name, p in model.named_parameters():
             part = p.ds_tensor
             partition_bytes += part.numel() * part.element_size()
             start_el = rank * part.numel()
-            valid = max(0, min(part.numel(), p.ds_numel - start_el))
-            digests[name] = _digest(part[:valid])
+            valid_parts[name] = part[:max(0, min(part.numel(), p.ds_numel - start_el))]
+        digests = _digests(valid_parts)
     return {"backend": backend, "world": world, "rank": rank, "seconds": seconds, "device_peak_bytes": peak,
             "partition_bytes": partition_bytes, "rss_growth_bytes": peak_rss, "rchar_bytes": read,
             "digests": digests}
@@ -176,12 +185,12 @@ def verify_digests(checkpoint: str, world: int, ranks: list[int]) -> dict:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map="cpu")
     out = {}
     for rank in ranks:
-        digests = {}
+        slices = {}
         for name, p in model.named_parameters():
             flat = p.detach().reshape(-1)
             ps = -(-flat.numel() // world)
-            digests[name] = _digest(flat[rank * ps:min(flat.numel(), (rank + 1) * ps)])
-        out[str(rank)] = digests
+            slices[name] = flat[rank * ps:min(flat.numel(), (rank + 1) * ps)]
+        out[str(rank)] = _digests(slices)
     return out
 
 
