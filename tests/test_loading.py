@@ -673,9 +673,15 @@ def test_all_padding_window_is_zeroed_without_reading(tmp_path):
     assert out.item() == 0.0 and report.bytes_read == 0
 
 
-def test_progress_bar_counts_bytes_and_explicit_group(tmp_path, fake_world, capsys):
+def test_progress_bar_counts_bytes_and_explicit_group(tmp_path, fake_world, capsys, monkeypatch):
     tensors = net_checkpoint()
     save_file(tensors, str(tmp_path / "m.safetensors"))
+    monkeypatch.delenv("ZTRITON_PROGRESS", raising=False)
+    with fake_world(3, 0):
+        module = partition(Net(), "ztriton")
+        load_checkpoint(module, tmp_path / "m.safetensors")
+    assert "Loading checkpoint" not in capsys.readouterr().err  # stderr is no terminal under pytest: no bar
+    monkeypatch.setenv("ZTRITON_PROGRESS", "1")  # a log file that wants it anyway
     with fake_world(3, 0):
         module = partition(Net(), "ztriton")
         report = load_checkpoint(module, tmp_path / "m.safetensors", torch.distributed.group.WORLD)

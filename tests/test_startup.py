@@ -198,3 +198,31 @@ def test_progress_bar_only_on_rank0_and_a_terminal_unless_forced(capsys, fake_wo
     with fake_world(2, 1), report.progress(1 << 20, "loading") as bar:
         bar.update(1 << 20)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("wanted, env, tty, notebook, shown", [
+    (True, None, True, False, True),      # a terminal
+    (True, None, False, False, False),    # a log file
+    (True, None, False, True, True),      # a notebook
+    (True, "1", False, False, True),      # forced on
+    (True, "0", True, False, False),      # forced off
+    (False, "1", True, False, False),     # the caller (or a rank other than 0) does not want one
+])
+def test_one_rule_for_every_progress_bar(monkeypatch, wanted, env, tty, notebook, shown):
+    import types
+
+    from ztriton import progress
+
+    if env is None:
+        monkeypatch.delenv("ZTRITON_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("ZTRITON_PROGRESS", env)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty, raising=False)
+    if notebook:
+        monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    else:
+        monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    assert progress.visible(wanted) is shown
+    with progress.bar(10, "t", wanted=wanted) as bar:  # the same object either way
+        bar.update(10)
+        assert (bar._bar is not None) is shown

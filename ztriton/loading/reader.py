@@ -32,6 +32,7 @@ from ztriton.kernels import pack_slices
 from ztriton.loading.checkpoint import CheckpointError, TensorInfo, close_files, open_files, read_into
 from ztriton.loading.targets import Job
 from ztriton.memory import kernels_run_on, synchronize
+from ztriton.progress import bar as progress_bar
 
 __all__ = ["DEFAULT_STAGING_BYTES", "DEFAULT_THREADS", "MAX_STAGING_BYTES", "MAX_THREADS", "MIN_STAGING_BYTES",
            "check_options", "run_jobs"]
@@ -288,7 +289,7 @@ class _Runner:
         for device in cuda:  # allocated before any write: running out of memory here changes nothing
             self.device_staging.prepare(device)
         files = sorted({read.file for batch in batches for read in batch.reads})
-        bar = _progress_bar(sum(b.nbytes for b in batches)) if self.progress else None
+        bar = progress_bar(sum(b.nbytes for b in batches), "Loading checkpoint (ztriton)", wanted=self.progress)
         fds = open_files(files)
         try:
             self._stream(batches, fds, bar)
@@ -307,8 +308,7 @@ class _Runner:
             raise explained from exc
         finally:
             close_files(fds)
-            if bar is not None:
-                bar.close()
+            bar.close()
         return self.bytes_read
 
     def _stream(self, batches: list[_Batch], fds: dict, bar) -> None:
@@ -336,8 +336,7 @@ class _Runner:
                         ring.release(buffer)
                         raise
                     ring.release(buffer, event)
-                    if bar is not None:
-                        bar.update(batch.nbytes)
+                    bar.update(batch.nbytes)
             finally:
                 for _, buffer, future in inflight:  # after an error: let the reads end, return buffers
                     future.exception()
@@ -376,14 +375,6 @@ class _Runner:
         if hasattr(exc, "add_note"):
             exc.add_note(f"ztriton load: {status}")
         return exc
-
-
-def _progress_bar(total: int):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is optional: no bar
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading checkpoint (ztriton)")
 
 
 def _is_int(value: object) -> bool:

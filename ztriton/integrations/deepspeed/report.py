@@ -15,11 +15,11 @@ DeepSpeed's handlers whenever the logger shows warnings (its default), and are s
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Callable
 
 from ztriton.memory import format_bytes, measure_peak
+from ztriton.progress import Bar, bar
 
 __all__ = ["banner", "format_seconds", "progress", "step_summary", "timed", "warn_once"]
 
@@ -102,35 +102,7 @@ def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
     return out, seconds, peak if torch.cuda.is_available() else None
 
 
-class _Progress:
-    """What :func:`progress` returns: ``update(nbytes)``; a no-op where no bar is shown."""
-
-    def __init__(self, bar):
-        self._bar = bar
-
-    def update(self, nbytes: int) -> None:
-        if self._bar is not None:
-            self._bar.update(nbytes)
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def progress(total_bytes: int, desc: str, *, force: bool | None = None) -> _Progress:
-    """A tqdm bar over ``total_bytes`` on rank 0: ``with progress(n, "loading") as bar: bar.update(k)``.
-
-    Shown on rank 0 when stderr is a terminal; ``force=True`` (or ``ZTRITON_PROGRESS=1``) shows it anyway
-    (a log file), ``force=False`` (or ``ZTRITON_PROGRESS=0``) never. Other ranks get a no-op."""
-    if force is None and os.environ.get("ZTRITON_PROGRESS") in ("0", "1"):
-        force = os.environ["ZTRITON_PROGRESS"] == "1"
-    show = _is_rank0() and (force if force is not None else sys.stderr.isatty())
-    if not show:
-        return _Progress(None)
-    from tqdm import tqdm  # a DeepSpeed dependency
-
-    return _Progress(tqdm(total=total_bytes, desc=f"ztriton: {desc}", unit="B", unit_scale=True, unit_divisor=1024,
-                          file=sys.stderr, leave=False, dynamic_ncols=True))
+def progress(total_bytes: int, desc: str, *, force: bool | None = None) -> Bar:
+    """A bar over ``total_bytes`` on rank 0: ``with progress(n, "loading") as bar: bar.update(k)``; shown
+    under :mod:`ztriton.progress`'s rule (a terminal, or ``force`` / ``ZTRITON_PROGRESS``)."""
+    return bar(total_bytes, f"ztriton: {desc}", wanted=_is_rank0(), force=force)
