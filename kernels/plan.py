@@ -497,10 +497,12 @@ class Plan:
                 self._launch_all()
 
     def _launch_all(self) -> None:
-        for out, src in self.copies:
-            out.copy_(src)
-        for out in self.fills:
-            out.zero_()
+        if self.copies or self.fills:
+            with torch.inference_mode():  # an inference tensor as dst is written as the kernels would write it
+                for out, src in self.copies:
+                    out.copy_(src)
+                for out in self.fills:
+                    out.zero_()
         if self.launches and self.stream is not None:
             _await_warm_up(self.stream.device)
         for kernel, grid, args, kwargs in self.launches:
@@ -517,8 +519,11 @@ def _await_warm_up(device: torch.device) -> None:
     """Let a warm-up of ``device`` still loading the kernels finish rather than load them a second time
     beside it (Triton does not share a load in progress between threads)."""
     thread = WARMING.get(device.index)
-    if thread is not None and thread is not threading.current_thread():
+    if thread is None or thread is threading.current_thread():
+        return
+    if thread.is_alive():
         thread.join(timeout=_WARM_UP_WAIT_S)
+    WARMING.pop(device.index, None)  # waited once, finished or not: later launches never wait again
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -643,20 +648,33 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
 
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning) -> bool:
-    """A few contiguous pieces: torch's copy_ moves them as fast, without a kernel launch (``Tuning.torch_pieces``)."""
+    """A few contiguous pieces: torch's copy_ moves them as fast, without a kernel launch (``Tuning.torch_pieces``;
+    0 always launches the kernels)."""
     moving = srcs.count > 0
-    return int(moving.sum()) <= tuning.torch_pieces and bool(srcs.contiguous[moving].all())
+    return tuning.torch_pieces > 0 and int(moving.sum()) <= tuning.torch_pieces and bool(srcs.contiguous[moving].all())
 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,
                      keep_alive: list) -> Plan:
-    """The plan of :func:`_torch_copies_suffice`'s case: one ``copy_`` per piece, one ``zero_`` per gap."""
-    copies = [(dst.narrow(0, int(srcs.offset[i]), int(srcs.count[i])),
-               pieces[i][0].reshape(-1).narrow(0, int(srcs.start[i]), int(srcs.count[i])))
+    """The plan of :func:`_torch_copies_suffice`'s case: one ``copy_`` per piece, one ``zero_`` per gap.
+
+    On byte views of the flattened, detached tensors, as the kernels see them: offsets count elements of
+    dst's flattening whatever its shape, bits move unchanged (bool bytes other than 0 and 1, fp4 pairs,
+    which torch can neither convert nor fill), and autograd never sees the writes.
+    """
+    width = dst.element_size()
+    out = dst.detach().reshape(-1).view(torch.uint8)
+    copies = [(out.narrow(0, int(srcs.offset[i]) * width, int(srcs.count[i]) * width),
+               _bytes(pieces[i][0]).narrow(0, int(srcs.start[i]) * width, int(srcs.count[i]) * width))
               for i in np.flatnonzero(srcs.count > 0).tolist()]
-    fills = [dst.narrow(0, int(offset), int(count)) for offset, count in zeros.tolist() if count > 0]
+    fills = [out.narrow(0, int(offset) * width, int(count) * width) for offset, count in zeros.tolist() if count > 0]
     stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
     return Plan([], keep_alive, [], stream, copies, fills)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements, row-major, as a flat uint8 view (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),

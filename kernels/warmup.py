@@ -21,24 +21,31 @@ import threading
 import torch
 
 from .ops import pack_plan
-from .plan import WARMING, Tuning, runs_on
+from .plan import INTERPRETED, WARMING, Tuning, runs_on
 
 __all__ = ["warm_up", "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
 _lock = threading.Lock()
+_requested: set[int] = set()  # devices a warm-up was started for, once per process
 _KERNELS = Tuning(torch_pieces=0)  # a real launch, even for this one tiny piece
 
 
 def warm_up(device: torch.device) -> None:
     """Launch the 16-byte-word copy once on ``device`` (a CUDA device) and wait for it."""
     with torch.cuda.device(device):
-        src = torch.arange(8, dtype=torch.int16, device=device)
-        dst = torch.empty(16, dtype=torch.int16, device=device)
-        # 16 bytes copied, 16 zeroed: one launch of the 16-byte word class
-        pack_plan(dst, [src], [0], tuning=_KERNELS).launch()
-        torch.cuda.current_stream(device).synchronize()
+        stream = torch.cuda.Stream(device)  # its own: waiting for it never waits for other threads' work
+        with torch.cuda.stream(stream):
+            _copy_once(device)
+        stream.synchronize()
+
+
+def _copy_once(device: torch.device) -> None:
+    """16 bytes copied, 16 zeroed: one launch of the 16-byte word class."""
+    src = torch.arange(8, dtype=torch.int16, device=device)
+    dst = torch.empty(16, dtype=torch.int16, device=device)
+    pack_plan(dst, [src], [0], tuning=_KERNELS).launch()
 
 
 def warm_up_in_background(device: torch.device | int | str) -> threading.Thread | None:
@@ -53,15 +60,16 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         return None
     if device.index is None:
         raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
-    if not runs_on(device):
+    if not runs_on(device) or INTERPRETED:  # the interpreter does not compile: nothing to load
         return None
     with _lock:
-        thread = WARMING.get(device.index)
-        if thread is None:
-            thread = threading.Thread(target=_run, args=(device,), name=f"ztriton-warm-up-cuda{device.index}",
-                                      daemon=True)
-            WARMING[device.index] = thread  # launches on this device wait for it (plan._await_warm_up)
-            thread.start()
+        if device.index in _requested:
+            return WARMING.get(device.index)
+        _requested.add(device.index)
+        thread = threading.Thread(target=_run, args=(device,), name=f"ztriton-warm-up-cuda{device.index}",
+                                  daemon=True)
+        thread.start()  # may raise (no threads left): then nothing is registered and launches never wait
+        WARMING[device.index] = thread  # launches on this device wait for it once (plan._await_warm_up)
     return thread
 
 

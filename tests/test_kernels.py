@@ -424,6 +424,54 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     assert torch.equal(bits(by_torch), bits(by_kernels))
 
 
+def test_torch_copies_write_what_the_kernels_write_in_every_odd_case():
+    """The torch path writes bytes of dst's flattening like the kernels: an N-D dst, bool bytes other than
+    0 and 1, sources and dst that require grad (autograd never sees the writes), an inference tensor."""
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    def both(make_dst, pieces, zeros):
+        outs = []
+        for tuning in (Tuning(), Tuning(torch_pieces=0)):
+            dst = make_dst()
+            plan = make_plan(dst, pieces, zeros, tuning=tuning)
+            assert bool(plan.copies or plan.fills) == (tuning.torch_pieces > 0)
+            plan.launch()
+            outs.append(dst)
+        assert torch.equal(bits(outs[0]), bits(outs[1])), (outs[0], outs[1])
+        return outs[0]
+
+    src = random_tensor([6], torch.float32)
+    out = both(lambda: poisoned(8, torch.float32).view(4, 2), [Piece(src, 1, 3, 2)], [(0, 2), (5, 3)])
+    assert torch.equal(bits(out.view(-1)[2:5]), bits(src[1:4]))
+    raw = torch.tensor([0, 2, 0xAB, 1], dtype=torch.uint8, device=DEVICE).view(torch.bool)
+    out = both(lambda: poisoned(4, torch.bool), [Piece(raw, 0, 4, 0)], [])
+    assert out.view(torch.uint8).tolist() == [0, 2, 0xAB, 1]
+    grad_src = random_tensor([4], torch.float32).requires_grad_()
+    out = both(lambda: poisoned(6, torch.float32), [Piece(grad_src, 0, 4, 1)], [(0, 1), (5, 1)])
+    assert not out.requires_grad and out.grad_fn is None
+    both(lambda: torch.nn.Parameter(poisoned(4, torch.float32)), [Piece(src, 0, 4, 0)], [])
+    if hasattr(torch, "float4_e2m1fn_x2"):  # torch can neither fill nor convert it: bytes only
+        fp4 = torch.randint(0, 256, (8,), dtype=torch.uint8).view(torch.float4_e2m1fn_x2).to(DEVICE)
+        big = 40_000  # past the size where CPU zero_ goes through fill_
+        out = both(lambda: poisoned(big, torch.float4_e2m1fn_x2), [Piece(fp4, 0, 8, 3)], [(0, 3), (11, big - 11)])
+        assert int(out.view(torch.uint8)[11:].count_nonzero()) == 0
+    with torch.inference_mode():
+        inference = poisoned(4, torch.float32)
+    both(lambda: _inference_copy(inference), [Piece(src, 0, 4, 0)], [])
+
+
+def _inference_copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def test_torch_copies_off_with_torch_pieces_0_even_for_zeros_only():
+    from ztriton.kernels import Tuning, make_plan
+
+    plan = make_plan(poisoned(8, torch.float16), [], [(0, 8)], tuning=Tuning(torch_pieces=0))
+    assert plan.launches and not plan.fills
+
+
 def test_torch_copies_only_for_few_contiguous_pieces():
     from ztriton.kernels import Piece, Tuning, make_plan
 

@@ -39,7 +39,7 @@ def started(monkeypatch):
     (1, None, False, [0]),     # the only GPU
     (8, None, False, []),      # several GPUs, nothing says which: no guess
     (8, "9", False, []),       # LOCAL_RANK beyond the visible GPUs (CUDA_VISIBLE_DEVICES per rank) ...
-    (8, None, True, [5]),      # CUDA already initialised: the current device
+    (8, None, True, []),       # CUDA initialised says nothing of the device chosen (zero.Init reads first)
 ])
 def test_integration_picks_the_ranks_device_or_none(started, monkeypatch, count, local_rank, initialised, expected):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -83,6 +83,50 @@ def test_nothing_to_warm_without_cuda(monkeypatch):
     assert warmup.warm_up_in_background("cpu") is None
 
 
+def test_a_thread_that_cannot_start_registers_nothing(monkeypatch):
+    """No threads left: the error reaches the caller (the integration logs it), nothing is registered, and
+    later launches on the device do not wait for a thread that never ran."""
+    from ztriton.kernels import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(warmup, "INTERPRETED", False)
+    monkeypatch.setattr(warmup, "_requested", set())
+    monkeypatch.setattr(plan, "WARMING", {})
+    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
+
+    def no_threads(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_threads)
+    with pytest.raises(RuntimeError, match="can't start"):
+        warmup.warm_up_in_background(3)
+    assert plan.WARMING == {}
+    plan._await_warm_up(torch.device("cuda", 3))  # returns at once
+
+
+def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
+    """The first launch on the device joins the thread (bounded); later launches never wait again, even
+    when that wait timed out; the thread's own launch does not wait for itself."""
+    from ztriton.kernels import plan
+
+    gate, joined = threading.Event(), []
+    thread = threading.Thread(target=lambda: gate.wait(5), daemon=True)
+    thread.start()
+    monkeypatch.setattr(plan, "WARMING", {4: thread})
+    monkeypatch.setattr(plan, "_WARM_UP_WAIT_S", 0.05)
+    original_join = threading.Thread.join
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: (joined.append(timeout),
+                                                                              original_join(self, timeout)))
+    plan._await_warm_up(torch.device("cuda", 4))  # times out: the thread is still waiting on the gate
+    plan._await_warm_up(torch.device("cuda", 4))
+    assert joined == [0.05] and plan.WARMING == {}
+    gate.set()
+    original_join(thread, 5)
+    monkeypatch.setattr(plan, "WARMING", {4: threading.current_thread()})
+    plan._await_warm_up(torch.device("cuda", 4))  # itself: no join
+    assert joined == [0.05]
+
+
 def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
     """A second request for the same device gets the first thread; an error in the thread is swallowed
     (the first real launch then loads the kernel itself)."""
@@ -95,8 +139,10 @@ def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
         raise RuntimeError("no driver")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(warmup, "INTERPRETED", False)
     monkeypatch.setattr(warmup, "warm_up", failing)
     monkeypatch.setattr(warmup, "WARMING", {})
+    monkeypatch.setattr(warmup, "_requested", set())
     first = warmup.warm_up_in_background(7)
     second = warmup.warm_up_in_background(torch.device("cuda", 7))
     assert first is second
@@ -107,22 +153,32 @@ def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
         warmup.warm_up_in_background("cuda")
 
 
+GPU_CHECK = """
+import torch
+from ztriton.kernels import Tuning, pack_plan, warmup
+from ztriton.kernels.copy import _copy_words_kernel
+device = torch.device("cuda", 0)
+assert len(_copy_words_kernel.device_caches[0][0]) == 0, "a fresh process has loaded nothing yet"
+warmup.warm_up_in_background(device).join(120)
+loaded = len(_copy_words_kernel.device_caches[0][0])  # triton keeps compiled kernels by specialisation
+assert loaded == 1, loaded
+sources = [torch.randn(4096, 64, device=device).to(torch.bfloat16) for _ in range(3)]
+flat = torch.full((3 * 4096 * 64 + 64,), float("nan"), dtype=torch.bfloat16, device=device)
+pack_plan(flat, sources, [0, 4096 * 64, 2 * 4096 * 64], tuning=Tuning(torch_pieces=0)).launch()
+assert torch.equal(flat[:4096 * 64].view(4096, 64), sources[0])
+assert len(_copy_words_kernel.device_caches[0][0]) == loaded, "the real pack needed another variant"
+print("OK")
+"""
+
+
 @pytest.mark.gpu
 def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
-    """After the thread, a 16-byte-aligned bf16 pack finds its kernel compiled: no new variant."""
-    from ztriton.kernels import Tuning, pack_plan
-    from ztriton.kernels.copy import _copy_words_kernel
+    """In a fresh process (the suite's earlier GPU tests load the kernels themselves): the thread loads one
+    variant, and a 16-byte-aligned bf16 pack then finds its kernel loaded (no new variant)."""
+    import os
+    import subprocess
+    import sys
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    warmup.warm_up_in_background(device).join(120)
-
-    def variants() -> int:  # triton keeps (compiled kernels by specialisation, ...) per device
-        return len(_copy_words_kernel.device_caches[device.index][0])
-
-    loaded = variants()
-    assert loaded >= 1
-    sources = [torch.randn(4096, 64, device=device).to(torch.bfloat16) for _ in range(3)]
-    flat = torch.full((3 * 4096 * 64 + 64,), float("nan"), dtype=torch.bfloat16, device=device)
-    pack_plan(flat, sources, [0, 4096 * 64, 2 * 4096 * 64], tuning=Tuning(torch_pieces=0)).launch()
-    assert torch.equal(flat[:4096 * 64].view(4096, 64), sources[0])
-    assert variants() == loaded
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr

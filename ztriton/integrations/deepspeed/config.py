@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,8 +122,10 @@ def start_kernel_warm_up() -> None:
     (engine, process groups, the model build) then hides the first launch's fixed cost (``kernels.warmup``).
 
     Only on the GPU this rank will use: ``LOCAL_RANK`` (DeepSpeed's launcher sets it and DeepSpeed
-    selects that device), else the current device once CUDA is initialised, else the only GPU. With
-    several GPUs and neither, nothing starts: a guess could put a CUDA context on another rank's GPU.
+    selects that device), else the only GPU. With several GPUs and no LOCAL_RANK nothing starts: a guess
+    could put a CUDA context on another rank's GPU (an initialised CUDA does not say the device was
+    chosen yet: zero.Init reads its config before DeepSpeed sets the device). Best effort: a failure to
+    start it (no threads left) is logged and changes nothing else.
     """
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -135,13 +138,14 @@ def start_kernel_warm_up() -> None:
     local_rank = os.environ.get("LOCAL_RANK", "")
     if local_rank.isdigit() and int(local_rank) < count:
         index = int(local_rank)
-    elif torch.cuda.is_initialized():
-        index = torch.cuda.current_device()
     elif count == 1:
         index = 0
     else:
         return
-    warm_up_in_background(index)
+    try:
+        warm_up_in_background(index)
+    except RuntimeError as exc:  # threading's "can't start new thread"
+        logging.getLogger("ztriton").debug("ztriton: kernel warm-up not started (%s)", exc)
 
 
 def config_init(original, self, config, *args, **kwargs):
