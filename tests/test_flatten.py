@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import ztriton
 from ds_reference import BitsModule, bits, bits_tensor, zero12_reference, groups_of
 from worlds import fake_world
-from ztriton import memory, policy
+from ztriton import memory, policy, staging
 from ztriton.flatten import tiers as F
 from ztriton.layout import zero12_group_layout
 from ztriton.memory import MemoryInfo, OutOfMemory
@@ -300,6 +300,7 @@ def test_host_tier_chosen_when_host_memory_is_short():
     factory = functools.partial(BitsModule, shapes, 1, torch.float16, ())
     reference = zero12_reference(factory, 1, 0, 1, False, False, torch.float16)
     fake = lambda device: MemoryInfo(str(device), 0, 0, 0, "test")  # noqa: E731
+    staging.release()  # idle spill memory counts as host memory the tiers can use: none here
     with mock.patch.object(memory, "probe_memory", fake):
         model = factory()
         groups = [list(model.parameters())]
@@ -477,6 +478,7 @@ def test_distributed_partition_oom_falls_through():
 def test_distributed_keeps_params_without_host_room():
     """Freeing the params is only safe if host memory could take the recovery copy; otherwise fall through."""
     reference = _fixed_reference(2)
+    staging.release()  # idle spill memory counts as host memory the tiers can use: none here
     with _Spy().active() as spy:
         with _world(2, 0), mock.patch.object(memory, "probe_memory",
                                                  lambda d: MemoryInfo(str(d), 0, 0, 10, "test")):

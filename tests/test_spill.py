@@ -374,3 +374,56 @@ def test_defragment_tensors_left_in_the_spill_keep_it():
         ztriton.defragment([bits_tensor((n,), torch.bfloat16, 5, n).clone() for n in (9, 3)], tier="evict")
     assert later and not any(_inside(t.data_ptr(), later) for t in tensors)
     assert all(torch.equal(bits(t), b) for t, b in zip(tensors, before))
+
+
+def test_the_tier_choice_counts_the_pools_idle_memory_as_available_host_memory():
+    """The memory probe sees the pool's idle blocks as used host memory; the flatten's decision adds them
+    back, so a recent large spill does not push the next call to a worse tier (or refuse it)."""
+    from ztriton import policy
+
+    pool = staging.spill_pool()
+    with free_memory(0):
+        ztriton.flatten_groups([_params(1)], tier="evict", headroom_bytes=0)
+    idle = pool.idle_bytes
+    assert idle >= SPILL_GRANULE and pool.lent == 0
+    seen = []
+    real = policy.choose_flatten_tier
+
+    def spy(group_bytes, world_size, free, host, *args, **kwargs):
+        seen.append(host)
+        return real(group_bytes, world_size, free, host, *args, **kwargs)
+
+    probe = lambda device: MemoryInfo(str(device), 1 << 30, 1 << 30, 1000, "test")  # noqa: E731 -- 1000 host bytes
+    with mock.patch.object(memory, "probe_memory", probe), mock.patch.object(policy, "choose_flatten_tier", spy):
+        ztriton.flatten_groups([_params(2)])
+    assert seen == [1000 + idle]
+
+
+def test_a_forked_child_starts_with_an_empty_pool_and_ring():
+    """Whatever the parent's pool and ring held (and their locks' state), a forked child borrows afresh;
+    the parent keeps its blocks."""
+    import multiprocessing
+
+    pool = staging.spill_pool()
+    held = staging.spill(3 * SPILL_GRANULE, "cpu")  # lent in the parent
+    staging.copy_staged(torch.empty(64), torch.ones(64))  # the shared ring is allocated
+    pool._lock.acquire()  # as if a parent thread held it at fork time
+    try:
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_borrows, args=(queue,))
+        child.start()
+        child.join(60)
+    finally:
+        pool._lock.release()
+    assert child.exitcode == 0 and queue.get(timeout=5) == (0, 0, True)
+    assert pool.lent == 1 and held.numel() == 3 * SPILL_GRANULE
+
+
+def _child_borrows(queue) -> None:
+    pool = staging.spill_pool()
+    before = (pool.lent, pool.allocated_bytes)
+    loan = staging.spill(1024, "cpu")
+    out = torch.empty(16)
+    staging.copy_staged(out, torch.full((16,), 2.0))
+    queue.put((*before, bool(loan.numel() == 1024 and torch.equal(out, torch.full((16,), 2.0)))))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import threading
 import time
@@ -473,6 +474,13 @@ class SpillPool:
             return sum(b.nbytes for b in self._blocks)
 
     @property
+    def idle_bytes(self) -> int:
+        """Bytes of the pool's blocks that are not lent: host memory the next borrower gets without
+        allocating (a memory probe counts it as used)."""
+        with self._lock:
+            return sum(b.nbytes for b in self._blocks if not b.lent)
+
+    @property
     def lent(self) -> int:
         """How many of the pool's blocks are lent."""
         with self._lock:
@@ -513,6 +521,26 @@ class SpillPool:
 
 
 _spill_pool = SpillPool()
+
+
+def _start_afresh_in_forked_child() -> None:
+    """A forked child inherits the shared ring's and the pool's locks in whatever state the parent's threads
+    left them, their timers without threads, and pinned registrations of the parent's CUDA context: it
+    starts with an empty ring and pool (the parent keeps its own; the child's copy of their memory is
+    dropped without unregistering, which only the parent may do)."""
+    global _shared, _shared_lock
+    for block in _spill_pool._blocks:
+        block.pinned = False
+    _spill_pool._lock = threading.Lock()
+    _spill_pool._timer = None
+    _spill_pool._blocks = []
+    _shared_lock = threading.Lock()
+    _shared = None
+    _copy_streams.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_afresh_in_forked_child)
 
 
 def spill_pool() -> SpillPool:

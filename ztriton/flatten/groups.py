@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ztriton import memory, policy
+from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, min_over_ranks, world_of
 from ztriton.flatten.tiers import TIERS, Group, Run
 from ztriton.kernels import byte_extent
@@ -301,9 +301,11 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options) -> Fla
     if not step.ok:
         raise RuntimeError(f"flatten group {g.index}: the memory probe failed ({step.describe()}); nothing moved")
     figures = step.value
-    # every rank must choose the same tier: decide on the smallest figures
-    free, host = min_over_ranks([figures.device_free, figures.host_available], world)
-    decision = policy.choose_flatten_tier(g.nbytes, world.size, free, host, options.headroom_bytes, forced)
+    # Every rank must choose the same tier: decide on the smallest figures. The evict and host tiers spill
+    # into the pool, whose idle memory the probe sees as used; the distributed tier's backup is pageable.
+    spillable = figures.host_available + staging.spill_pool().idle_bytes
+    free, host, spill = min_over_ranks([figures.device_free, figures.host_available, spillable], world)
+    decision = policy.choose_flatten_tier(g.nbytes, world.size, free, spill, options.headroom_bytes, forced)
     policy.log_decision(f"flatten group {g.index}", decision, figures)
     run = Run(decision, world, options, host)
 
