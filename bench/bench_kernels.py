@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
-from ztriton.kernels import Piece, Tuning, copy_chunk, make_plan, pack_plan  # noqa: E402
+from ztriton.kernels import KERNELS_ONLY, Piece, Tuning, copy_chunk, make_plan, pack_plan  # noqa: E402
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402,F401  (bench_flatten imports llm_mix from here)
 from ztriton.testing import bits  # noqa: E402
 from ztriton.testing import deepspeed_flatten as ds_flatten  # noqa: E402
@@ -51,8 +51,6 @@ def deepspeed_flatten(params, layout):
     return ds_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
 
 
-# The kernels themselves, even where a plan would hand a few contiguous pieces to torch's copy_.
-KERNELS_ONLY = Tuning(torch_pieces=0)
 WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps, torch_pieces=0)
               for step, chunk in [(8 << 10, 16 << 10), (16 << 10, 16 << 10), (16 << 10, 32 << 10),
                                   (32 << 10, 32 << 10), (32 << 10, 64 << 10), (64 << 10, 64 << 10),

@@ -28,7 +28,7 @@ from triton.runtime.jit import JITFunction
 from .copy import DESC_HEAD, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
 __all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "check_dst",
-           "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]
+           "KERNELS_ONLY", "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]
 
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -463,6 +463,10 @@ class Tuning:
     torch_pieces: int = 8
 
 
+# Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
+KERNELS_ONLY = Tuning(torch_pieces=0)
+
+
 @dataclass
 class Plan:
     """Launches that carry out one copy; reusable while its tensors stay where they are.
@@ -643,8 +647,7 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
             SIZE_ALIGN=size_align, SMALL=small,
             num_warps=tuning.tile_warps)))
-    stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
-    return Plan(launches, keep_alive, tables, stream)
+    return Plan(launches, keep_alive, tables, _launch_stream(dst))
 
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning) -> bool:
@@ -663,13 +666,17 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     which torch can neither convert nor fill), and autograd never sees the writes.
     """
     width = dst.element_size()
-    out = dst.detach().reshape(-1).view(torch.uint8)
+    out = _bytes(dst)
     copies = [(out.narrow(0, int(srcs.offset[i]) * width, int(srcs.count[i]) * width),
                _bytes(pieces[i][0]).narrow(0, int(srcs.start[i]) * width, int(srcs.count[i]) * width))
               for i in np.flatnonzero(srcs.count > 0).tolist()]
     fills = [out.narrow(0, int(offset) * width, int(count) * width) for offset, count in zeros.tolist() if count > 0]
-    stream = torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
-    return Plan([], keep_alive, [], stream, copies, fills)
+    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills)
+
+
+def _launch_stream(dst: torch.Tensor):
+    """The stream a plan for ``dst`` is made on (its tables uploaded on): the current one; None on the CPU."""
+    return torch.cuda.current_stream(dst.device) if dst.device.type == "cuda" else None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import threading
 import torch
 
 from .ops import pack_plan
-from .plan import INTERPRETED, WARMING, Tuning, runs_on
+from .plan import INTERPRETED, KERNELS_ONLY, WARMING
 
 __all__ = ["warm_up", "warm_up_in_background"]
 
@@ -29,7 +29,6 @@ logger = logging.getLogger("ztriton")
 
 _lock = threading.Lock()
 _requested: set[int] = set()  # devices a warm-up was started for, once per process
-_KERNELS = Tuning(torch_pieces=0)  # a real launch, even for this one tiny piece
 
 
 def warm_up(device: torch.device) -> None:
@@ -45,7 +44,7 @@ def _copy_once(device: torch.device) -> None:
     """16 bytes copied, 16 zeroed: one launch of the 16-byte word class."""
     src = torch.arange(8, dtype=torch.int16, device=device)
     dst = torch.empty(16, dtype=torch.int16, device=device)
-    pack_plan(dst, [src], [0], tuning=_KERNELS).launch()
+    pack_plan(dst, [src], [0], tuning=KERNELS_ONLY).launch()  # a launch even for one tiny piece
 
 
 def warm_up_in_background(device: torch.device | int | str) -> threading.Thread | None:
@@ -60,7 +59,7 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         return None
     if device.index is None:
         raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
-    if not runs_on(device) or INTERPRETED:  # the interpreter does not compile: nothing to load
+    if INTERPRETED:  # the interpreter does not compile: nothing to load
         return None
     with _lock:
         if device.index in _requested:
