@@ -45,8 +45,8 @@ import torch.distributed as dist  # noqa: E402
 
 import ztriton  # noqa: E402
 from bench.bench_kernels import WORLD, deepspeed_flatten, llm_mix  # noqa: E402
-from bench.harness import (RESULTS, free_device_memory as free_memory, gbps, measure_peak, plot_ratios,  # noqa: E402
-                           time_ms, torch_copy_gbps, write_result)
+from bench.harness import (RESULTS, free_device_memory as free_memory, gbps, kernel_launches_skipped,  # noqa: E402
+                           measure_peak, plot_ratios, time_ms, torch_copy_gbps, write_result)
 from ztriton import memory  # noqa: E402
 from ztriton.kernels import pack_plan  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
@@ -220,12 +220,8 @@ def _host_only_ms(shapes, reps: int = 5) -> float:
     """The device tier's whole call with kernel launches skipped (checks, layout, probe, planning, the flat
     buffer's allocation, re-pointing): what the host adds to the kernels. Median of ``reps``, fresh params
     each time; the buffers' contents are garbage, nothing is checked."""
-    from ztriton.kernels import plan as plan_module
-
     samples = []
-    original = plan_module.Plan._launch_all
-    plan_module.Plan._launch_all = lambda self: None
-    try:
+    with kernel_launches_skipped():
         for _ in range(reps):
             params = make_params(shapes)
             torch.cuda.synchronize() if CUDA else None
@@ -235,8 +231,6 @@ def _host_only_ms(shapes, reps: int = 5) -> float:
             samples.append((time.perf_counter() - start) * 1e3)
             del params
             free_memory()
-    finally:
-        plan_module.Plan._launch_all = original
     return statistics.median(samples)
 
 

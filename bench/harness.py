@@ -109,6 +109,20 @@ def plot_ratios(path: Path, title: str, labels: list[str], series: dict[str, lis
     return path
 
 
+@contextlib.contextmanager
+def kernel_launches_skipped():
+    """Inside: plans are made (checks, tables, uploads) but nothing is launched, so only host time is
+    left to measure; the buffers' contents are then garbage."""
+    from ztriton.kernels import plan
+
+    original = plan.Plan._launch_all
+    plan.Plan._launch_all = lambda self: None
+    try:
+        yield
+    finally:
+        plan.Plan._launch_all = original
+
+
 def free_device_memory() -> None:
     """Give cached device and pinned host memory back, so that one case's cache does not crowd the next."""
     if not torch.cuda.is_available():
