@@ -194,6 +194,56 @@ def verify_digests(checkpoint: str, world: int, ranks: list[int]) -> dict:
     return out
 
 
+def measure_floor(checkpoint: str, threads: int = 2, chunk: int = 64 << 20, limit: int = 8 * GiB) -> dict:
+    """What the hardware allows the loader: page-cache read bandwidth (``preadv`` of the checkpoint's files,
+    already cached by the cases before, with the loader's default thread count and buffer size, into pinned
+    buffers) and pinned host-to-device bandwidth. A rank that reads B bytes cannot load faster than
+    ``B / read`` (the two overlap) or ``B / read + B / h2d`` (they do not)."""
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    spans = []  # (path, offset, length) chunks, up to ``limit`` bytes
+    for f in files:
+        size = f.stat().st_size
+        for off in range(0, size, chunk):
+            spans.append((f, off, min(chunk, size - off)))
+    total, picked = 0, []
+    for span in spans:
+        if total >= limit:
+            break
+        picked.append(span)
+        total += span[2]
+    cuda = torch.cuda.is_available()
+    buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(threads)]
+
+    def read_every(k: int) -> None:
+        """Thread k reads spans k, k + threads, ... into its own buffer."""
+        view = memoryview(buffers[k].numpy())
+        for f, off, n in picked[k::threads]:
+            with open(f, "rb", buffering=0) as fh:
+                got = 0
+                while got < n:
+                    got += os.preadv(fh.fileno(), [view[got:n]], off + got)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(read_every, range(threads)))
+    read_seconds = time.perf_counter() - start
+    out = {"read_bytes": total, "read_GBps": total / read_seconds / 1e9, "threads": threads}
+    if cuda:
+        host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        out["h2d_GBps"] = 5 * GiB / (time.perf_counter() - start) / 1e9
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
@@ -232,6 +282,7 @@ def main(argv=None) -> int:
     parser.add_argument("--make", type=Path, help="write a Mixtral-shaped checkpoint to this folder")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--case", nargs=4, metavar=("CKPT", "BACKEND", "WORLD", "RANK"), help=argparse.SUPPRESS)
+    parser.add_argument("--floor", nargs=1, metavar="CKPT", help=argparse.SUPPRESS)
     parser.add_argument("--verify", nargs=3, metavar=("CKPT", "WORLD", "RANKS"), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", nargs="*", type=Path, default=[])
     parser.add_argument("--worlds", default="8:0,8:7,1:0", help="WORLD:RANK pairs")
@@ -243,6 +294,9 @@ def main(argv=None) -> int:
     if args.case:
         ckpt, backend, world, rank = args.case
         print("RESULT " + json.dumps(run_case(ckpt, backend, int(world), int(rank))), flush=True)
+        return 0
+    if args.floor:
+        print("RESULT " + json.dumps(measure_floor(args.floor[0])), flush=True)
         return 0
     if args.verify:
         ckpt, world, ranks = args.verify
@@ -303,9 +357,17 @@ def main(argv=None) -> int:
                                               "peak_over_partition_off": off["device_peak_bytes"] / off["partition_bytes"],
                                               "rss_growth_on_over_partition": on["rss_growth_bytes"] / on["partition_bytes"],
                                               "rss_growth_off_over_partition": off["rss_growth_bytes"] / off["partition_bytes"]}
+        floor = _child(["--floor", str(ckpt)])
+        if "error" not in floor:
+            for key, c in ratios.items():
+                on = next(x for x in cases if x["backend"] == "triton" and f"W{x['world']}r{x['rank']}" == key)
+                b = on["rchar_bytes"]
+                c["floor_overlapped_s"] = b / (floor["read_GBps"] * 1e9)
+                c["floor_serial_s"] = b / (floor["read_GBps"] * 1e9) + b / (floor.get("h2d_GBps", float("inf")) * 1e9)
+                c["time_on_over_floor_overlapped"] = on["seconds"] / c["floor_overlapped_s"]
         for c in cases:
             c.pop("digests", None)
-        results[ckpt.name] = {"cases": cases, "bits": bits, "ratios": ratios}
+        results[ckpt.name] = {"cases": cases, "bits": bits, "ratios": ratios, "floor": floor}
         print(json.dumps(ratios, indent=1), flush=True)
         print(f"[bench_load] wrote {save(results)}", flush=True)
     return 0

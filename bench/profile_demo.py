@@ -1,0 +1,94 @@
+"""Where the demo's small steps spend their milliseconds, key off vs on, in a warm process.
+
+    python bench/profile_demo.py [--steps zero_init zero2_optimizer] [--repeats 5] [--out DIR]
+
+Runs the demo's warm-up (as ``python -m ztriton demo`` does), then each step ``--repeats`` times with the key
+off and on, as rank 0 of a simulated W = 8: prints the median seconds of each, then the top functions by own
+and cumulative time of the key-on repeats under cProfile (a separate set of repeats, so the profiler's
+overhead does not enter the medians). ``--out`` keeps each profile (``python -m pstats``). On a machine
+without CUDA it runs the demo's CPU shape under the interpreter: the host-side shares still mean something.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _step(kind: str, shape, backend: str, device: str, world: int, host_init_bytes: int):
+    from ztriton.integrations.deepspeed import demo
+
+    if kind == "zero_init":
+        return demo.zero_init_step(shape, backend, world, 0, host_init_bytes)
+    if kind == "zero3_optimizer":
+        return demo.zero3_optimizer_step(shape, backend, world, 0, host_init_bytes)
+    return demo.zero2_optimizer_step(shape, backend, device)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", nargs="+", default=["zero_init", "zero2_optimizer"],
+                        choices=["zero_init", "zero3_optimizer", "zero2_optimizer"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from ztriton.integrations.deepspeed import demo
+    from ztriton.testing import simulated_world
+
+    demo.quiet_foreign_warnings()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = demo.GPU_SHAPE if device == "cuda" else demo.CPU_SHAPE
+    host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
+    demo.run_steps(demo.WARMUP_SHAPE, device, args.world, 4096, quiet=True)
+
+    def once(kind: str, backend: str) -> float:
+        with simulated_world(args.world, 0):
+            step = _step(kind, shape, backend, device, args.world, host_init_bytes)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+    for kind in args.steps:
+        medians = {b: statistics.median(once(kind, b) for _ in range(args.repeats)) for b in ("torch", "triton")}
+        print(f"[profile_demo] {kind}: key off {medians['torch'] * 1e3:.2f} ms, key on "
+              f"{medians['triton'] * 1e3:.2f} ms (median of {args.repeats})", flush=True)
+        for backend in ("triton", "torch"):
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.repeats):
+                once(kind, backend)
+            profile.disable()
+            stats = pstats.Stats(profile)
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                stats.dump_stats(args.out / f"demo_{kind}_{backend}.pstats")
+            if backend == "triton":
+                print(f"[profile_demo] {kind} key on, {args.repeats} repeats, by own time:", flush=True)
+                stats.sort_stats("tottime").print_stats(args.top)
+                print(f"[profile_demo] {kind} key on, by cumulative time:", flush=True)
+                stats.sort_stats("cumulative").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
