@@ -457,10 +457,10 @@ class Tuning:
     # Up to this many pieces, all contiguous, are copied by torch's copy_ (and the gaps by zero_): a
     # contiguous run moves at copy bandwidth either way, a few extra launches cost microseconds, and
     # torch's copy never pays a jit kernel's first-launch cost in a fresh process (~0.5 s on an H200 with
-    # Triton's cache warm, seconds with it cold): zero.Init's per-module partitions and most loader jobs
-    # are this small. The kernels earn their keep on hundreds of pieces (flatten, defragment) and on
+    # Triton's cache warm, seconds with it cold): zero.Init's per-module partitions (HF modules hold 1-4
+    # params, bench/models.py's LLM-mix blocks 12) and most loader jobs are this small. The kernels earn their keep on hundreds of pieces (flatten, defragment) and on
     # strided sources. 0: always launch the kernels (the kernel tests and benchmarks use it).
-    torch_pieces: int = 8
+    torch_pieces: int = 16
 
 
 # Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
@@ -517,6 +517,17 @@ class Plan:
 WARMING: dict[int, threading.Thread] = {}
 # A launch waits at most this long for one (a cold compile takes seconds); then it loads the kernel itself.
 _WARM_UP_WAIT_S = 120.0
+
+
+# While one is in flight, contiguous pieces up to this many go through torch's copy_ (~8 us of host time
+# each: 4096 of them cost ~30 ms, less than the load they avoid waiting for).
+WHILE_WARMING_PIECES = 4096
+
+
+def warm_up_in_flight(device: torch.device) -> bool:
+    """Whether a background warm-up (another thread) is still loading the kernels on ``device``."""
+    thread = WARMING.get(device.index) if device.type == "cuda" else None
+    return thread is not None and thread is not threading.current_thread() and thread.is_alive()
 
 
 def _await_warm_up(device: torch.device) -> None:
@@ -601,7 +612,7 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     srcs, zeros = validate(dst, pieces, zero_ranges, what=what)
     _check_launchable(dst)
     keep_alive = [dst, *(p[0] for p in pieces)]
-    if _torch_copies_suffice(srcs, tuning):
+    if _torch_copies_suffice(srcs, tuning, dst.device):
         return _torch_copy_plan(dst, pieces, srcs, zeros, keep_alive)
     if dst.element_size() not in _INT_FOR_ITEMSIZE:
         if not dst.dtype.is_complex:
@@ -650,11 +661,16 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     return Plan(launches, keep_alive, tables, _launch_stream(dst))
 
 
-def _torch_copies_suffice(srcs: _Sources, tuning: Tuning) -> bool:
-    """A few contiguous pieces: torch's copy_ moves them as fast, without a kernel launch (``Tuning.torch_pieces``;
-    0 always launches the kernels)."""
+def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) -> bool:
+    """Contiguous pieces that torch's copy_ moves without a kernel launch: a few of them (``Tuning.torch_pieces``;
+    0 always launches the kernels), or up to ``WHILE_WARMING_PIECES`` while a background warm-up is still
+    loading the kernel on this device: a copy_ per piece costs microseconds, waiting for the load a
+    fraction of a second (warm Triton cache) to seconds (cold)."""
     moving = srcs.count > 0
-    return tuning.torch_pieces > 0 and int(moving.sum()) <= tuning.torch_pieces and bool(srcs.contiguous[moving].all())
+    if tuning.torch_pieces <= 0 or not bool(srcs.contiguous[moving].all()):
+        return False
+    count = int(moving.sum())
+    return count <= tuning.torch_pieces or (count <= WHILE_WARMING_PIECES and warm_up_in_flight(device))
 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,

@@ -29,7 +29,7 @@ def kernels_always(monkeypatch, request):
     """These tests are about the kernels: a plan of a few contiguous pieces launches them too, instead
     of handing the pieces to torch's copy_ (``Tuning.torch_pieces``; that path has its own test below)."""
     if "torch_copies" not in request.node.name:
-        monkeypatch.setattr(plan_module, "_torch_copies_suffice", lambda srcs, tuning: False)
+        monkeypatch.setattr(plan_module, "_torch_copies_suffice", lambda *args: False)
 
 
 def random_tensor(shape, dtype, generator=None) -> torch.Tensor:

@@ -231,6 +231,54 @@ def test_buffers_and_attributes_are_materialised():
     assert torch.equal(module.buf, ref) and torch.equal(module.scale, torch.full((3,), 2.0))
 
 
+def _mode_depths() -> tuple[int, int]:
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+    return torch._C._len_torch_function_stack(), _len_torch_dispatch_stack()
+
+
+def test_modes_watch_only_while_a_placeholder_is_held():
+    """Every op of a construction pays for a Python mode: none is pushed until a placeholder exists, and
+    they go when the last record is released."""
+    base = _mode_depths()
+    with Recorder() as recorder:
+        assert _mode_depths() == base
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(recorder.placeholder((4, 4)))
+        assert _mode_depths() == (base[0] + 1, base[1] + 1)
+        torch.nn.init.normal_(module.w)
+        assert module.w.device.type == "cpu"  # answered by the function mode
+        (_, _, record), = recorder.take_parameters(module)
+        recorder.release(record)
+        assert _mode_depths() == base
+        recorder.placeholder((2, 2))  # watched again
+        assert _mode_depths() == (base[0] + 1, base[1] + 1)
+    assert _mode_depths() == base
+
+
+def test_a_mode_pushed_after_ours_keeps_ours_until_the_recorder_exits():
+    from torch.overrides import TorchFunctionMode
+
+    base = _mode_depths()
+    seen = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as recorder:
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(recorder.placeholder((4, 4)))
+        with Count():
+            (_, _, record), = recorder.take_parameters(module)
+            recorder.release(record)  # ours are not innermost: they stay, and Count's exit pops Count
+            assert _mode_depths() == (base[0] + 2, base[1] + 1)
+            torch.ones(2).add_(1)
+        assert seen and _mode_depths() == (base[0] + 1, base[1] + 1)
+    assert _mode_depths() == base
+
+
 # ---- placeholders look like the tensor they stand for
 
 def test_placeholder_answers_as_the_device_it_stands_for():

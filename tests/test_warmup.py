@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import numpy as np
 import torch
 
 from ztriton.integrations.deepspeed import config as ds_config
@@ -127,6 +128,41 @@ def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
     assert joined == [0.05]
 
 
+def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
+    """While another thread loads the kernel on a device, contiguous pieces (up to WHILE_WARMING_PIECES)
+    go through torch's copy_ rather than wait; strided ones, KERNELS_ONLY and other devices do not; once
+    the thread has ended the usual limit holds again."""
+    from ztriton.kernels import Tuning, plan
+
+    gate = threading.Event()
+    thread = threading.Thread(target=lambda: gate.wait(5), daemon=True)
+    thread.start()
+    monkeypatch.setattr(plan, "WARMING", {2: thread})
+    many = plan._Sources  # built the way validate builds them, without a device
+    n = Tuning().torch_pieces + 1
+
+    def sources(count, contiguous=True):
+        zeros, ones = np.zeros(count, np.int64), np.ones(count, np.int64)
+        return many(start=zeros, count=ones, offset=np.arange(count, dtype=np.int64), numel=ones, lo=zeros, hi=ones,
+                    contiguous=np.full(count, contiguous), local=np.full(count, True))
+
+    cuda2, cuda3 = torch.device("cuda", 2), torch.device("cuda", 3)
+    assert plan.warm_up_in_flight(cuda2) and not plan.warm_up_in_flight(cuda3)
+    assert not plan.warm_up_in_flight(torch.device("cpu"))
+    assert plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
+    assert plan._torch_copies_suffice(sources(plan.WHILE_WARMING_PIECES), Tuning(), cuda2)
+    assert not plan._torch_copies_suffice(sources(plan.WHILE_WARMING_PIECES + 1), Tuning(), cuda2)
+    assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda3)
+    assert not plan._torch_copies_suffice(sources(n, contiguous=False), Tuning(), cuda2)
+    assert not plan._torch_copies_suffice(sources(2), plan.KERNELS_ONLY, cuda2)
+    gate.set()
+    thread.join(5)
+    assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
+    assert plan._torch_copies_suffice(sources(n - 1), Tuning(), cuda2)
+    monkeypatch.setattr(plan, "WARMING", {2: threading.current_thread()})  # the warm-up's own launch
+    assert not plan.warm_up_in_flight(cuda2)
+
+
 def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
     """A second request for the same device gets the first thread; an error in the thread is swallowed
     (the first real launch then loads the kernel itself)."""
@@ -182,3 +218,28 @@ def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
+    """A 40-piece pack while a warm-up is (made to look) in flight: torch's copies, no launch, no wait,
+    and the same bytes as the kernels write."""
+    from ztriton.kernels import Tuning, bits, pack_plan, plan
+
+    gate = threading.Event()
+    thread = threading.Thread(target=lambda: gate.wait(30), daemon=True)
+    thread.start()
+    device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(plan, "WARMING", {device.index: thread})
+    sources = [torch.randn(37 + i, device=device).to(torch.bfloat16) for i in range(40)]
+    offsets = np.cumsum([0] + [s.numel() + 3 for s in sources[:-1]]).tolist()
+    end = offsets[-1] + sources[-1].numel() + 5
+    ours, kernels = (torch.full((end,), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(2))
+    during = pack_plan(ours, sources, offsets)
+    assert during.copies and not during.launches
+    during.launch()
+    assert thread.is_alive(), "the pack waited for the warm-up"
+    gate.set()
+    thread.join(30)
+    pack_plan(kernels, sources, offsets, tuning=Tuning(torch_pieces=0)).launch()
+    assert torch.equal(bits(ours), bits(kernels))

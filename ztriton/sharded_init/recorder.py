@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.init as nn_init
 from torch.overrides import TorchFunctionMode
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -176,7 +177,8 @@ class Recorder:
         self.fallback_device = None if fallback_device is None else torch.device(fallback_device)
         self._records: dict[int, Record] = {}
         self._paused = False
-        self._modes: list = []
+        self._modes: list = []  # (function mode, dispatch mode) while watching, see _watch
+        self.active = False  # between __enter__ and __exit__
         self._patched: list[tuple[Any, str, Any]] = []
         self.fallbacks: list[tuple[str, Record]] = []  # (op, record), one per materialised record
 
@@ -184,6 +186,29 @@ class Recorder:
 
     def __enter__(self) -> "Recorder":
         pointwise_trunc_normal = _trunc_normal_is_pointwise()  # probed before our modes watch it
+        if not pointwise_trunc_normal:
+            self._patch(nn_init, "_no_grad_trunc_normal_", self._trunc_normal_wrapper(nn_init._no_grad_trunc_normal_))
+        self.active = True
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().remove(self)
+        self.active = False
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched = []
+        self._unwatch(*exc)
+
+    # The modes watch only while a placeholder exists: a Python mode costs every op of the construction
+    # 5-15 us (about 1,200 ops and 6 ms for the demo's 13-param model), and without a placeholder they
+    # have nothing to answer. Pushed by the first placeholder, popped when the last record is released,
+    # if they are still the innermost modes (else at the recorder's exit: a mode pushed after ours
+    # must be popped first).
+
+    def _watch(self) -> None:
+        if self._modes:
+            return
         functions, dispatch = _Functions(self), _Dispatch(self)
         functions.__enter__()
         try:
@@ -192,22 +217,33 @@ class Recorder:
             functions.__exit__(None, None, None)
             raise
         self._modes = [functions, dispatch]
-        if not pointwise_trunc_normal:
-            self._patch(nn_init, "_no_grad_trunc_normal_", self._trunc_normal_wrapper(nn_init._no_grad_trunc_normal_))
-        _stack().append(self)
-        return self
 
-    def __exit__(self, *exc) -> None:
-        _stack().remove(self)
-        for owner, name, original in reversed(self._patched):
-            setattr(owner, name, original)
-        self._patched = []
+    def _unwatch(self, *exc) -> None:
+        if not self._modes:
+            return
         functions, dispatch = self._modes
         self._modes = []
         try:
             dispatch.__exit__(*exc)
         finally:
             functions.__exit__(*exc)
+
+    def _unwatch_if_idle(self) -> None:
+        if not self._records:
+            self._step_aside()
+
+    def _step_aside(self) -> bool:
+        """Pop the modes if they are watching and innermost (not inside one of their own handlers, where
+        torch has taken them off the stack, nor under a mode pushed after them)."""
+        if not self._modes:
+            return False
+        functions, dispatch = self._modes
+        depth = torch._C._len_torch_function_stack()
+        if not (depth > 0 and torch._C._get_function_stack_at(depth - 1) is functions
+                and _python_dispatch._get_current_dispatch_mode() is dispatch):
+            return False
+        self._unwatch(None, None, None)
+        return True
 
     def _patch(self, owner, name: str, replacement) -> None:
         self._patched.append((owner, name, getattr(owner, name)))
@@ -222,7 +258,7 @@ class Recorder:
     def placeholder(self, shape, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """A tensor of ``shape``/``dtype`` standing for one on ``device`` that allocates nothing: the init
         calls made on it are recorded, to be replayed slice by slice (:func:`~.replay.replay`)."""
-        if not self._modes:
+        if not self.active:
             raise RuntimeError("placeholder() needs the recorder to be active (inside `with recorder:`)")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         device = torch.device("cpu") if device is None else torch.device(device)
@@ -237,6 +273,7 @@ class Recorder:
         return tensor
 
     def _register(self, tensor: torch.Tensor, record: Record) -> None:
+        self._watch()
         record.attach(tensor)
         self._records[record.storage._cdata] = record
 
@@ -256,6 +293,7 @@ class Recorder:
     def release(self, record: Record) -> None:
         """Forget ``record`` (its placeholder has been replaced by a real tensor or a partition)."""
         self._records.pop(record.storage._cdata, None)
+        self._unwatch_if_idle()
 
     def real(self, tensor: torch.Tensor) -> torch.Tensor:
         """The real tensor a materialised alias stands for (materialising its record if needed)."""
@@ -460,15 +498,21 @@ class Recorder:
 
 
 class _Paused:
+    """Every op passes through; the modes step aside while they are innermost (the integration's own
+    work at a module's end would otherwise pay for them op by op) and come back if a record is left."""
+
     def __init__(self, recorder: Recorder):
-        self.recorder, self.before = recorder, False
+        self.recorder, self.before, self.stepped_aside = recorder, False, False
 
     def __enter__(self):
         self.before, self.recorder._paused = self.recorder._paused, True
+        self.stepped_aside = self.recorder._step_aside()
         return self
 
     def __exit__(self, *exc):
         self.recorder._paused = self.before
+        if self.stepped_aside and self.recorder._records and self.recorder.active:
+            self.recorder._watch()
 
 
 def _tensor_arguments(args, kwargs):

@@ -15,6 +15,7 @@ in full on the device, as DeepSpeed would have made it, with one log line: the v
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -113,6 +114,12 @@ def init_post_init_method(original, self, module):
     """``Init._post_init_method``: a module's own parameters, partitioned as its ``__init__`` returns."""
     if not _uses_ztriton(self):
         return original(self, module)
+    recorder = _RECORDERS.get(self)
+    with recorder.paused() if recorder is not None else contextlib.nullcontext():
+        _post_init(self, module)
+
+
+def _post_init(self, module: torch.nn.Module) -> None:
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as counters
 
     sharded = _take_placeholders(self, module)
@@ -350,7 +357,7 @@ def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorde
     @functools.wraps(constructor)
     def create(*args, **kwargs):
         request = _placeholder_request(name, args, kwargs, threshold)
-        if request is None or recorder._paused or not recorder._modes:
+        if request is None or recorder._paused or not recorder.active:
             return constructor(*args, **kwargs)
         shape, dtype = request
         direct = name in ("empty", "zeros", "ones")
