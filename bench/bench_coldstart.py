@@ -109,6 +109,16 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
     return result
 
 
+def _median(runs: list[dict]) -> dict:
+    """One cell from its processes: each figure's median (the first run's error if any failed), the runs kept."""
+    import statistics
+
+    if len(runs) == 1 or any("error" in r for r in runs):
+        return runs[-1] if len(runs) == 1 else next(r for r in runs if "error" in r)
+    keys = [k for k in runs[0] if k.endswith("_seconds")]
+    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", nargs=2, metavar=("STEP", "BACKEND"), help=argparse.SUPPRESS)
@@ -116,29 +126,36 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--warm-repeats", type=int, default=1,
+                        help="warm processes per step and backend; each warm figure is their median")
+    parser.add_argument("--steps", nargs="+", default=["zero2", "zero3"], choices=["zero2", "zero3"])
     args = parser.parse_args(argv)
     if args.cell:
         print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke)), flush=True)
         return 0
 
     cells: dict[str, dict] = {}
-    for step in ("zero2", "zero3"):
+    for step in args.steps:
         for backend in ("torch", "triton"):
             cache = tempfile.mkdtemp(prefix=f"triton_cache_{step}_{backend}_")
-            for temperature in ("cold", "warm"):
+            for temperature, repeats in (("cold", 1), ("warm", args.warm_repeats)):
                 key = f"{step}/{backend}/{temperature}"
-                result = cells[key] = _child(step, backend, cache, args)
-                if "error" in result:
-                    print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
-                else:
+                runs = []
+                for _ in range(repeats):
+                    result = _child(step, backend, cache, args)
+                    runs.append(result)
+                    if "error" in result:
+                        print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
+                        break
                     steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
                                       if k.endswith("_seconds") and k not in ("wall_seconds",))
                     print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
+                cells[key] = _median(runs)
     ratios = {}
     for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
         for temperature in ("cold", "warm"):
             off, on = cells.get(f"{step}/torch/{temperature}", {}), cells.get(f"{step}/triton/{temperature}", {})
-            if "error" in off or "error" in on:
+            if not off or not on or "error" in off or "error" in on:
                 continue
             total_off = sum(off[f] for f in fields)
             total_on = sum(on[f] for f in fields)

@@ -23,8 +23,10 @@ logger = logging.getLogger("ztriton")
 DEFAULT_HEADROOM_BYTES = 1 * GiB
 MIN_CHUNK_BYTES = 1 * MiB
 MAX_CHUNK_BYTES = 256 * MiB
-# A parameter created inside ``zero.Init`` at least this large starts in host memory (under
-# ``"partition_backend": "triton"``): the whole tensor never lands on the device, only its slices.
+# A parameter created inside ``zero.Init`` at least this large is a sharded-init placeholder (under
+# ``"partition_backend": "triton"``): the whole tensor is never allocated, each rank generates its slice.
+# (The name is historical: such tensors used to be created in host memory; a placeholder that meets an
+# op it cannot replay is still materialised, on the device it stands for.)
 MAX_HOST_INIT_BYTES = 1 * GiB
 
 
@@ -63,7 +65,8 @@ class Options:
 
     ``headroom_bytes``: device memory every decision leaves free (default 1 GiB). ``chunk_bytes``:
     staging chunk size (default: picked from free memory). ``host_init_bytes``: parameters created
-    inside ``zero.Init`` at least this large start in host memory (default: :func:`choose_host_init_bytes`).
+    inside ``zero.Init`` at least this large are never allocated whole: each rank generates only its slice
+    (exact sharded init; default: :func:`choose_host_init_bytes`).
     The same names make the ``"ztriton"`` section of a DeepSpeed config.
     """
 
@@ -228,12 +231,13 @@ def choose_evictions(sizes: Sequence[int], evict_bytes: int) -> list[int]:
 
 
 def choose_host_init_bytes(device_free: int, configured: int | None = None) -> int:
-    """Size from which a parameter created inside ``zero.Init`` is allocated in host memory.
+    """Size from which a parameter created inside ``zero.Init`` is a sharded-init placeholder (only
+    this rank's slice is ever allocated and generated; the name is historical, see MAX_HOST_INIT_BYTES).
 
-    A configured size wins (``"ztriton": {"host_init_bytes": N}``; 0 sends every parameter to the
-    host). Otherwise 1 GiB, or an eighth of the free device memory when that is smaller: creating a
-    tensor on the device is fast (device RNG), but its full size is a transient the partition does
-    not need, and on a tight device even a few of those fail.
+    A configured size wins (``"ztriton": {"host_init_bytes": N}``; 0 makes every floating parameter a
+    placeholder). Otherwise 1 GiB, or an eighth of the free device memory when that is smaller: below
+    that, a whole tensor is a transient the device affords, and the ordinary partition path is as exact
+    with less bookkeeping.
     """
     if configured is not None:
         return check_bytes("host_init_bytes", configured)

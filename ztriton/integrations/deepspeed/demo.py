@@ -5,7 +5,8 @@ Three load-time steps, each run with the key off (DeepSpeed's own code) and on (
 of a simulated data-parallel world (torch's fake process group: every rank's layout, one process):
 
 * ZeRO-3 ``zero.Init`` building the model: the fused expert tensors are the largest params; with the
-  key they are created in host memory and only this rank's slice reaches the device.
+  key each rank generates only its own slice, on the device (exact sharded init: the values equal
+  DeepSpeed's bit for bit).
 * ZeRO-3 ``deepspeed.initialize``: the optimizer's flat partition buffer (``lp_param_buffer``).
 * ZeRO-2 ``deepspeed.initialize``: the optimizer's flat buffer of every param (``bit16_groups_flat``).
 
@@ -222,7 +223,7 @@ def run(device: str, world_size: int) -> int:
     handler.addFilter(lambda record: not getattr(record, "ztriton_report", False))
     ours.addHandler(handler)
     shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
-    # Params of this size or more are created in host memory under the key: the fused experts.
+    # Params of this size or more are sharded-init placeholders under the key: the fused experts.
     host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
     numel = shape.vocab * shape.hidden + shape.layers * (
         shape.hidden * (1 + 4 * shape.hidden + shape.experts) + 3 * shape.experts * shape.ffn * shape.hidden)

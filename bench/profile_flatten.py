@@ -1,0 +1,88 @@
+"""Where the flatten's device tier spends its host time: the LLM mix, a warm process, under cProfile.
+
+    python bench/profile_flatten.py [--repeats 5] [--top 30] [--no-kernels] [--out prof.pstats]
+
+Times ``ztriton.flatten_groups`` (device tier, simulated W = 8 rank 3) end to end, median of ``--repeats``
+after one warm call, then profiles one more call and prints the top functions by own time. Each call
+gets freshly built params (the flatten re-points them). ``--no-kernels`` skips every launch, leaving the
+host's share. On a machine without CUDA the mix is scaled down 16x per dimension (602 params still).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--no-kernels", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        torch.set_num_threads(1)
+    import ztriton
+    from bench.harness import kernel_launches_skipped
+    from bench.models import llm_mix
+    from ztriton.testing import simulated_world
+
+    device = "cuda" if cuda else "cpu"
+    shapes = llm_mix() if cuda else [[max(1, d // 16) for d in s] for s in llm_mix()]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def params():
+        made = [torch.nn.Parameter(torch.empty(*s, dtype=torch.bfloat16, device=device)) for s in shapes]
+        sync()
+        return made
+
+    def once() -> float:
+        group = params()
+        start = time.perf_counter()
+        flat = ztriton.flatten_groups([group])
+        sync()
+        seconds = time.perf_counter() - start
+        del flat, group
+        return seconds
+
+    skipped = kernel_launches_skipped() if args.no_kernels else contextlib.nullcontext()
+    with simulated_world(8, 3), skipped:
+        once()
+        times = [once() for _ in range(args.repeats)]
+        print(f"[profile_flatten] device tier, {len(shapes)} params: median {statistics.median(times) * 1e3:.2f} ms "
+              f"(min {min(times) * 1e3:.2f}){' (no kernels)' if args.no_kernels else ''}", flush=True)
+        group = params()
+        profile = cProfile.Profile()
+        profile.enable()
+        ztriton.flatten_groups([group])
+        sync()
+        profile.disable()
+    stats = pstats.Stats(profile)
+    if args.out:
+        stats.dump_stats(args.out)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
