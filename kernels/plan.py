@@ -129,10 +129,13 @@ def _check_tensor(name: str, t: object) -> None:
 
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """``[first, last)`` bytes of memory that a view touches (empty views touch nothing)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+    lo, numel = t.data_ptr(), t.numel()
+    if numel == 0:
+        return lo, lo
+    if t.is_contiguous():  # the common case, for thousands of params: no walk over the dims
+        return lo, lo + numel * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+    return lo, lo + span * t.element_size()
 
 
 def check_dst(dst: torch.Tensor) -> None:

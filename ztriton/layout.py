@@ -181,15 +181,18 @@ def zero12_group_layout(
     ``parameter_alignment`` pads every param but the last to 16 bytes.
     """
     _check_list("numels", numels)
-    for i, numel in enumerate(numels):
-        _check_numel(f"numels[{i}]", numel)
+    # One pass for the common case (thousands of params); the loops below only name the culprit.
+    if not all(type(n) is int and n >= 0 for n in numels):
+        for i, numel in enumerate(numels):
+            _check_numel(f"numels[{i}]", numel)
     _check_world(world_size)
     if trainable is not None:
         _check_list("trainable", trainable)
         if len(trainable) != len(numels):
             raise ValueError(f"trainable has {len(trainable)} entries but numels has {len(numels)}")
-        for i, flag in enumerate(trainable):
-            _check_flag(f"trainable[{i}]", flag)
+        if not all(type(flag) is bool for flag in trainable):
+            for i, flag in enumerate(trainable):
+                _check_flag(f"trainable[{i}]", flag)
     _check_flag("round_robin", round_robin)
     _check_flag("parameter_alignment", parameter_alignment)
     palign = param_alignment(element_size, parameter_alignment)

@@ -339,9 +339,13 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options) -> Fla
 def _alias(g: Group, flat: torch.Tensor) -> None:
     """Each param's ``.data`` becomes its view of ``flat`` (DeepSpeed's ``_update_model_bit16_weights``)."""
     base = flat.storage_offset()
+    strides: dict[torch.Size, tuple[int, ...]] = {}  # models repeat a few shapes
     for p, shape, offset in zip(g.params, g.shapes, g.offsets):
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = _contiguous_strides(shape)
         # as_strided: one call per param instead of narrow + view (3x faster, for thousands of params)
-        p.data = flat.as_strided(shape, _contiguous_strides(shape), base + offset)
+        p.data = flat.as_strided(shape, stride, base + offset)
     g.evicted.clear()
 
 
