@@ -558,6 +558,18 @@ def test_param_in_two_groups_rejected():
         ztriton.flatten_groups([[_p(2), p], [p]])
 
 
+def test_tied_params_in_a_large_group_are_rejected_with_every_param_untouched():
+    """The no-shared-memory check runs while the device tier's pack copies (it only reads the params into
+    a new buffer): still before any param is re-pointed, for every group."""
+    params = [_p(5) for _ in range(120)]
+    params.append(params[70])  # listed twice, past the first pack batches
+    before = [(p.data_ptr(), p.detach().clone()) for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[1\] params\[10\] and param_groups\[1\] params\[60\] are the same"):
+        ztriton.flatten_groups([params[:60], params[60:]], tier="device")
+    for p, (ptr, values) in zip(params, before):
+        assert p.data_ptr() == ptr and torch.equal(p.detach(), values)
+
+
 def test_tied_views_rejected():
     base = torch.ones(10)
     a, b = torch.nn.Parameter(base[0:6]), torch.nn.Parameter(base[4:10])

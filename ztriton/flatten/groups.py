@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -123,9 +123,28 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
 
     lists = _param_lists(param_groups)
     groups = [_prepare(i, params, world.size, round_robin, parameter_alignment) for i, params in enumerate(lists)]
-    _check_no_shared_memory(groups, lists)
     _check_kernels_take(groups, lists)
-    return [_flatten_group(g, world, forced, options) for g in groups]
+    # Checked before the first param moves, not before the first pack: the device tier's pack only reads
+    # the params into a new buffer, and the check (a walk over every param) then runs while it copies.
+    no_shared_memory = _Once(lambda: _check_no_shared_memory(groups, lists))
+    return [_flatten_group(g, world, forced, options, no_shared_memory) for g in groups]
+
+
+class _Once:
+    """A check run at most once (its exception, if any, raised each time it is asked for)."""
+
+    def __init__(self, check: Callable[[], None]):
+        self.check, self.error = check, None
+
+    def __call__(self) -> None:
+        if self.check is not None:
+            check, self.check = self.check, None
+            try:
+                check()
+            except Exception as exc:
+                self.error = exc
+        if self.error is not None:
+            raise self.error
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,14 +297,15 @@ def _runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 # One group: decide, try tiers in order, re-point the params.
 
 
-def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options) -> FlatGroup:
+def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options,
+                   before_moving: Callable[[], None]) -> FlatGroup:
     """One group through its tiers. With W > 1 every rank agrees on the outcome before the next group
     (whose first step is a collective): a rank that failed must not leave the others waiting in it."""
     if not g.params:
         logger.info("ztriton flatten group %d: no trainable non-empty params, empty flat buffer", g.index)
         flat = torch.empty(0, dtype=g.dtype, device=g.device)
         return FlatGroup(flat, (), g.layout, None, world.rank)
-    outcome = agree(world, lambda: _build(g, world, forced, options))
+    outcome = agree(world, lambda: _build(g, world, forced, options, before_moving))
     if outcome.ok:
         return outcome.value
     if outcome.error is not None:
@@ -295,7 +315,11 @@ def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options
                        "Fix the cause on that rank and call again on every rank")
 
 
-def _build(g: Group, world: World, forced: Tier | None, options: Options) -> FlatGroup:
+def _build(g: Group, world: World, forced: Tier | None, options: Options,
+           before_moving: Callable[[], None]) -> FlatGroup:
+    """The group's tiers in the policy's order; ``before_moving`` (the input checks that only guard the
+    params themselves) runs before a tier that moves params, or after the device tier's pack and before
+    the params are re-pointed."""
     start = time.perf_counter()
     step = agree(world, lambda: memory.probe_memory(g.device))
     if not step.ok:
@@ -311,6 +335,8 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options) -> Fla
 
     failures = []
     for tier in policy.flatten_fallbacks(decision.tier):
+        if tier is not Tier.DEVICE:
+            before_moving()
         try:
             flat = TIERS[tier](g, run)
         except torch.OutOfMemoryError as exc:
@@ -324,6 +350,7 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options) -> Fla
                 exc.add_note(f"ztriton flatten group {g.index}, tier {tier.value}: the params keep their values: "
                              f"{where}")
             raise
+        before_moving()  # after the device tier: the params are untouched, the new buffer is dropped
         _alias(g, flat)
         logger.info("ztriton flatten group %d: %d params, %s flattened by tier %s in %.2f s", g.index,
                     len(g.params), format_bytes(g.nbytes), tier.value, time.perf_counter() - start)
