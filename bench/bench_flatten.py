@@ -288,7 +288,8 @@ def add_floors(entry: dict, nbytes: int) -> None:
                       flush=True)
 
 
-def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_reps: int, skip_host: bool) -> None:
+def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_reps: int, skip_host: bool,
+             device_only: bool = False) -> None:
     """Every method on one group of ``shapes``; ``reps`` timed repetitions of the on-device methods
     (milliseconds each), ``slow_reps`` of evict (seconds); one checked-and-timed run of the host paths."""
     layout = zero12_group_layout([torch.Size(s).numel() for s in shapes], WORLD, element_size=2,
@@ -300,6 +301,10 @@ def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_r
     run_method("deepspeed_device", deepspeed_device, shapes, layout, entry, reps)
     run_method("ztriton_device", ztriton_tier("device"), shapes, layout, entry, reps)
     device_breakdown(shapes, layout, entry)
+    if device_only:
+        _device_ratios(entry, nbytes, copy_bw)
+        figures[name] = entry
+        return
     # Half the group's bytes: the distributed tier frees the params before allocating the flat buffer
     # (M + M/W would not fit), the evict tier moves about half of the params through host memory.
     run_method("ztriton_distributed", ztriton_tier("distributed"), shapes, layout, entry, 0, checked=False,
@@ -310,10 +315,15 @@ def run_case(name: str, shapes, figures: dict, copy_bw: float, reps: int, slow_r
         run_method("ztriton_host", ztriton_tier("host"), shapes, layout, entry, slow_reps)
         run_method("deepspeed_cpu_fallback", deepspeed_cpu_fallback, shapes, layout, entry, 0)
     add_floors(entry, nbytes)
+    _device_ratios(entry, nbytes, copy_bw)
+    figures[name] = entry
+
+
+def _device_ratios(entry: dict, nbytes: int, copy_bw: float) -> None:
     for label in ("ztriton_device", "deepspeed_device"):
         entry[label]["gbps"] = gbps(2 * nbytes, entry[label]["seconds"] * 1e3)
         entry[label]["ratio_to_copy"] = entry[label]["gbps"] / copy_bw
-    figures[name] = entry
+    entry["device_over_deepspeed"] = entry["ztriton_device"]["seconds"] / entry["deepspeed_device"]["seconds"]
 
 
 def summary(figures: dict) -> None:
@@ -343,6 +353,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["8.6", "40"], choices=["8.6", "40"])
     parser.add_argument("--skip-host", action="store_true", help="skip the host tier and DeepSpeed's CPU fallback")
     parser.add_argument("--name", default="flatten_h200")
+    parser.add_argument("--device-only", action="store_true",
+                        help="only the on-device flattens (DeepSpeed's and the device tier), 5 timed runs at 8.6 GiB")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too")
     args = parser.parse_args()
     if not CUDA and not args.smoke:
@@ -359,8 +371,9 @@ def main() -> None:
             # 40 GiB: the on-device methods still get one timed run after the checked one (a new kernel
             # specialisation would otherwise be timed); evict and the host paths run once.
             shapes = llm_mix() if size == "8.6" else llm_mix_40()
-            run_case(f"llm_{size}gib", shapes, figures, copy_bw, reps=2 if size == "8.6" else 1,
-                     slow_reps=1 if size == "8.6" else 0, skip_host=args.skip_host)
+            reps = (5 if args.device_only else 2) if size == "8.6" else (3 if args.device_only else 1)
+            run_case(f"llm_{size}gib", shapes, figures, copy_bw, reps=reps,
+                     slow_reps=1 if size == "8.6" else 0, skip_host=args.skip_host, device_only=args.device_only)
     figures["total_seconds"] = time.perf_counter() - started
     name = "flatten_smoke" if args.smoke else args.name
     path = write_result(name, figures, args.out)

@@ -86,8 +86,13 @@ def write_result(name: str, figures: dict, out_dir: Path | None = None) -> Path:
 
 def plot_ratios(path: Path, title: str, labels: list[str], series: dict[str, list[float]],
                 ylabel: str = "ratio to torch copy bandwidth", target: float | None = None) -> Path:
-    """Grouped bar chart (one group per label, one bar per series) saved as a PNG."""
-    import matplotlib
+    """Grouped bar chart (one group per label, one bar per series) saved as a PNG; skipped, with a line
+    saying so, where matplotlib is not installed (the JSON holds every figure)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"(matplotlib is not installed: no {path.name})", flush=True)
+        return path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
