@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from .plan import Piece, Plan, Tuning, as_index, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
 
-__all__ = ["copy_chunk", "pack", "pack_pipelined", "pack_plan", "pack_slices"]
+__all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]
 
 
 def copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:
@@ -52,38 +51,6 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     flat buffer. Every element of the window is written exactly once. Returns ``dst``.
     """
     pack_plan(dst, sources, offsets, window).launch()
-    return dst
-
-
-# pack_pipelined's first batch of sources; each later batch is twice the one before.
-PIPELINE_FIRST = 32
-
-
-def pack_pipelined(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor:
-    """:func:`pack` (no window) in growing batches of sources, each launched as soon as it is planned,
-    so the device copies one batch while the host plans the next: for hundreds of sources the host's
-    planning takes about as long as the device's copying, and one plan would run them one after the other.
-
-    Batch k holds sources ``[a, b)`` (32, 64, 128, ... of them) and writes dst from ``offsets[a]`` to
-    ``offsets[b]`` (the end of dst for the last batch), zeros included: the same bytes as one pack.
-    ``offsets`` must ascend (else: one pack). Each batch is validated before it is written, so a bad
-    source in a later batch raises after earlier batches wrote their part of dst: for a buffer the
-    caller has just allocated and drops on error. Returns ``dst``.
-    """
-    check_dst(dst)
-    n = len(sources)
-    starts = np.asarray(offsets, dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
-    if n <= 2 * PIPELINE_FIRST or len(offsets) != n or bool((np.diff(starts) < 0).any()) or starts[0] < 0:
-        return pack(dst, sources, offsets)
-    a, size, end = 0, PIPELINE_FIRST, dst.numel()
-    if int(starts[0]) > 0:  # the zeros before the first source
-        dst.narrow(0, 0, min(end, int(starts[0]))).zero_()
-    while a < n:
-        b = min(n, a + size)
-        lo = int(starts[a])
-        hi = end if b == n else int(starts[b])
-        pack(dst.narrow(0, lo, max(0, hi - lo)), sources[a:b], (starts[a:b] - lo).tolist())
-        a, size = b, 2 * size
     return dst
 
 

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ztriton.kernels import (bits, copy_chunk, pack, pack_pipelined, pack_plan, pack_slices, torch_copy_chunk,
-                             torch_pack, torch_pack_slices)
+from ztriton.kernels import (bits, copy_chunk, pack, pack_plan, pack_slices, torch_copy_chunk, torch_pack,
+                             torch_pack_slices)
 
 from ztriton.kernels import plan as plan_module
 
@@ -155,43 +155,6 @@ def test_pack_hundreds_of_tensors():
     flat = poisoned(end + 5, torch.bfloat16)
     pack(flat, sources, offsets)
     assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, end + 5, torch.bfloat16)))
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), count=st.integers(0, 260))
-def test_pack_pipelined_writes_what_one_pack_writes(data, count):
-    """Batches of 32, 64, 128, ... sources, each written with the zeros up to the next batch: the bytes of
-    one pack, whatever the count (below the first batch too), leading zeros and gaps, a strided source
-    and empty ones among them."""
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    sizes = [data.draw(st.integers(0, 9)) for _ in range(count)]
-    sources = [random_tensor([n], torch.bfloat16, gen) for n in sizes]
-    if count > 40:
-        sources[40] = random_tensor([3, 4], torch.bfloat16, gen).t()
-        sizes[40] = 12
-    offsets, end = layout_of(sizes, [data.draw(st.integers(0, 3)) for _ in range(count)])
-    total = end + data.draw(st.integers(0, 4))
-    flat = poisoned(total, torch.bfloat16)
-    assert pack_pipelined(flat, sources, offsets) is flat
-    assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, total, torch.bfloat16)))
-
-
-def test_pack_pipelined_out_of_order_offsets_take_one_pack():
-    gen = torch.Generator().manual_seed(5)
-    sources = [random_tensor([3], torch.float32, gen) for _ in range(100)]
-    offsets = [3 * (99 - i) for i in range(100)]
-    flat = poisoned(300, torch.float32)
-    pack_pipelined(flat, sources, offsets)
-    assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, 300, torch.float32)))
-
-
-def test_pack_pipelined_a_bad_source_in_a_later_batch_names_it():
-    """Each batch is validated before it is written; a bad source past the first batch raises (dst is a
-    buffer the caller drops), naming the source by its place in the batch."""
-    sources = [torch.ones(2, device=DEVICE) for _ in range(100)]
-    sources[80] = torch.ones(2, dtype=torch.float64, device=DEVICE)
-    with pytest.raises(TypeError, match="dtype torch.float64"):
-        pack_pipelined(poisoned(200, torch.float32), sources, list(range(0, 200, 2)))
 
 
 @FAST

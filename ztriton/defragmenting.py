@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from ztriton import memory, policy, staging
-from ztriton.kernels import Piece, pack_pipelined, pack_slices, torch_run
+from ztriton.kernels import Piece, pack_slices, torch_run
 from ztriton.memory import alias, format_bytes, kernels_run_on, synchronize, try_empty
 from ztriton.policy import Options, Tier
 
@@ -169,10 +169,7 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], only: Sequen
     local = [s for s in slices if s[0].device == flat.device]
     # The slices cover flat (no gap to zero): kernels for the ones on flat's device, torch for the rest.
     if local and kernels_run_on(flat.device):
-        if only is None:  # flat is a new buffer, its slices in order: batches may raise after writing it
-            pack_pipelined(flat, [s[0] for s in local], [s[3] for s in local])
-        else:
-            pack_slices(flat, local)
+        pack_slices(flat, local)
         local = []
     torch_run(flat, [Piece(*s) for s in local])
     evicted = [s for s in slices if s[0].device != flat.device]

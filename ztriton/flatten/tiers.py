@@ -20,7 +20,7 @@ import torch
 
 from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, all_gather_bytes, same_on_all_ranks
-from ztriton.kernels import copy_chunk, pack, pack_pipelined, torch_pack
+from ztriton.kernels import copy_chunk, pack, torch_pack
 from ztriton.layout import FlatGroupLayout
 from ztriton.memory import OutOfMemory, empty, format_bytes, kernels_run_on
 from ztriton.policy import FlattenDecision, Options, Tier
@@ -321,10 +321,7 @@ def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[
           window: tuple[int, int] | None = None) -> None:
     """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device."""
     if kernels_run_on(dst.device):
-        if window is None:
-            pack_pipelined(dst, sources, offsets)  # dst is a new buffer: batches may raise after writing it
-        else:
-            pack(dst, sources, offsets, window)
+        pack(dst, sources, offsets, window)
         return
     logger.info("ztriton: CPU tensors without TRITON_INTERPRET=1, packing with torch instead of the kernels")
     torch_pack(dst, sources, offsets, window)
