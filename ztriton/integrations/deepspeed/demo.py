@@ -10,11 +10,13 @@ of a simulated data-parallel world (torch's fake process group: every rank's lay
 * ZeRO-3 ``deepspeed.initialize``: the optimizer's flat partition buffer (``lp_param_buffer``).
 * ZeRO-2 ``deepspeed.initialize``: the optimizer's flat buffer of every param (``bit16_groups_flat``).
 
-Bytes are compared (they must be identical), time and peak device memory printed side by side.
+Bytes are compared (they must be identical, run to run and path to path); each step runs three times on
+a fresh model, and the median time and the largest peak device memory are printed side by side.
 """
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +29,7 @@ from ztriton.kernels import bits
 from ztriton.memory import measure_peak
 
 DTYPE = torch.bfloat16
+REPEATS = 3  # runs of each step and path; the table shows the median time
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def config(backend: str, stage: int, host_init_bytes: int) -> dict[str, Any]:
 class Measured:
     seconds: float
     peak_mib: float | None
-    bits: list[torch.Tensor]  # what must be identical between the two paths (CPU copies)
+    bits: list[torch.Tensor] | None  # what must be identical between the two paths (CPU copies); None: runs differed
 
 
 def _measure(device: str, step: Callable[[], list[torch.Tensor]]) -> Measured:
@@ -95,6 +98,16 @@ def _measure(device: str, step: Callable[[], list[torch.Tensor]]) -> Measured:
         torch.cuda.empty_cache()
     values, seconds, peak = measure_peak(step)
     return Measured(seconds, peak / 2**20 if device == "cuda" else None, [b.to("cpu") for b in values])
+
+
+def _median(runs: list[Measured]) -> Measured:
+    """One row's figures from repeated runs: the median time, the largest peak, the first run's bytes
+    (every run's bytes must match it)."""
+    same = all(len(r.bits) == len(runs[0].bits) and all(torch.equal(a, b) for a, b in zip(r.bits, runs[0].bits))
+               for r in runs[1:])
+    peaks = [r.peak_mib for r in runs if r.peak_mib is not None]
+    return Measured(statistics.median(r.seconds for r in runs), max(peaks) if peaks else None,
+                    runs[0].bits if same else None)
 
 
 def _valid_partitions(model: torch.nn.Module, world_size: int, rank: int) -> list[torch.Tensor]:
@@ -162,17 +175,21 @@ def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: in
         for backend in ("torch", "triton"):
             if not quiet:
                 print(f"[demo] {label}: partition_backend={backend!r} ...", flush=True)
-            with simulated_world(world_size, 0):
-                if kind == "zero_init":
-                    step = zero_init_step(shape, backend, world_size, 0, host_init_bytes)
-                elif kind == "zero3_optimizer":
-                    step = zero3_optimizer_step(shape, backend, world_size, 0, host_init_bytes)
-                else:
-                    step = zero2_optimizer_step(shape, backend, device)
-                measured[backend] = _measure(device, step)
-                del step
+            runs = []
+            for _ in range(REPEATS):  # each on a fresh model: a single run of a few ms is mostly noise
+                with simulated_world(world_size, 0):
+                    if kind == "zero_init":
+                        step = zero_init_step(shape, backend, world_size, 0, host_init_bytes)
+                    elif kind == "zero3_optimizer":
+                        step = zero3_optimizer_step(shape, backend, world_size, 0, host_init_bytes)
+                    else:
+                        step = zero2_optimizer_step(shape, backend, device)
+                    runs.append(_measure(device, step))
+                    del step
+            measured[backend] = _median(runs)
         off, on = measured["torch"], measured["triton"]
-        same = len(off.bits) == len(on.bits) and all(torch.equal(a, b) for a, b in zip(off.bits, on.bits))
+        same = (off.bits is not None and on.bits is not None and len(off.bits) == len(on.bits)
+                and all(torch.equal(a, b) for a, b in zip(off.bits, on.bits)))
         rows.append((label, off.seconds, off.peak_mib, on.seconds, on.peak_mib, same))
         if not quiet:
             print(f"[demo]   bytes {'identical' if same else 'DIFFERENT'}", flush=True)
