@@ -666,14 +666,16 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) -> bool:
     """Contiguous pieces that torch's copy_ moves without a kernel launch: a few of them (``Tuning.torch_pieces``;
-    0 always launches the kernels), or up to ``WHILE_WARMING_PIECES`` while a background warm-up is still
-    loading the kernel on this device: a copy_ per piece costs microseconds, waiting for the load a
+    0 always launches the kernels), or up to ``WHILE_WARMING_PIECES`` pieces on dst's device while a background
+    warm-up is still loading the kernel on this device: a copy_ per piece costs microseconds, waiting for the load a
     fraction of a second (warm Triton cache) to seconds (cold)."""
     moving = srcs.count > 0
     if tuning.torch_pieces <= 0 or not bool(srcs.contiguous[moving].all()):
         return False
     count = int(moving.sum())
-    return count <= tuning.torch_pieces or (count <= WHILE_WARMING_PIECES and warm_up_in_flight(device))
+    # While warming, only pieces already on the device: a copy_ from host memory blocks the host per piece.
+    return count <= tuning.torch_pieces or (count <= WHILE_WARMING_PIECES and bool(srcs.local[moving].all())
+                                            and warm_up_in_flight(device))
 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,

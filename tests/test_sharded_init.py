@@ -279,6 +279,68 @@ def test_a_mode_pushed_after_ours_keeps_ours_until_the_recorder_exits():
     assert _mode_depths() == base
 
 
+def test_no_placeholder_under_a_mode_entered_after_the_recorder():
+    """Our modes would land above a user's mode, whose exit would pop ours: no placeholder is made there
+    (can_watch says so, placeholder() raises naming why), and nothing is left on the stacks."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class PassingDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    base = _mode_depths()
+    with Recorder() as recorder:
+        for mode in (Passing, PassingDispatch):
+            with mode():
+                assert not recorder.can_watch()
+                with pytest.raises(RuntimeError, match="another torch mode is active"):
+                    recorder.placeholder((4, 4))
+            assert _mode_depths() == base and recorder.can_watch()
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(recorder.placeholder((4, 4)))
+        with Passing():  # entered after ours: it exits first, ours stay and keep recording
+            torch.nn.init.normal_(module.w)
+        assert [op.describe() for op in recorder.record_of(module.w).ops] == ["normal_.default()"]
+    assert _mode_depths() == base
+
+
+def test_a_device_context_does_not_stop_placeholders():
+    """torch.device(...) keeps itself at the bottom of the stack: ours may go above it."""
+    with torch.device("cpu"), Recorder() as recorder:
+        assert recorder.can_watch()
+        t = recorder.placeholder((3,))
+        t.fill_(2.0)
+        assert recorder.record_of(t).ops
+
+
+def test_no_placeholder_from_another_thread():
+    """Torch's mode stacks are per thread and the recorder's exit pops its own thread's: another thread
+    gets no placeholder, and the recorder still exits cleanly."""
+    import threading
+
+    base = _mode_depths()
+    errors = []
+    with Recorder() as recorder:
+        def elsewhere():
+            errors.append(recorder.can_watch())
+            try:
+                recorder.placeholder((4, 4))
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join(10)
+        assert recorder.can_watch()
+    assert errors[0] is False and "not the thread that entered" in errors[1]
+    assert _mode_depths() == base
+
+
 # ---- placeholders look like the tensor they stand for
 
 def test_placeholder_answers_as_the_device_it_stands_for():

@@ -70,8 +70,9 @@ def test_integration_starts_nothing_on_a_cpu_accelerator(started, monkeypatch):
 def test_only_a_config_with_the_key_starts_it(monkeypatch, backend, expected):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    import ztriton.integrations.deepspeed  # noqa: F401 -- installs the hooks
+    from ztriton.integrations.deepspeed.install import install
 
+    install()  # idempotent; importing ztriton installs it only once deepspeed is imported, which may come later
     calls = []
     monkeypatch.setattr(ds_config, "start_kernel_warm_up", lambda: calls.append(1))
     DeepSpeedConfig({"train_batch_size": 1, "partition_backend": backend, "zero_optimization": {"stage": 2}})
@@ -129,8 +130,8 @@ def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
 
 
 def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
-    """While another thread loads the kernel on a device, contiguous pieces (up to WHILE_WARMING_PIECES)
-    go through torch's copy_ rather than wait; strided ones, KERNELS_ONLY and other devices do not; once
+    """While another thread loads the kernel on a device, contiguous pieces on it (up to WHILE_WARMING_PIECES)
+    go through torch's copy_ rather than wait; strided ones, host ones, KERNELS_ONLY and other devices do not; once
     the thread has ended the usual limit holds again."""
     from ztriton.kernels import Tuning, plan
 
@@ -141,10 +142,10 @@ def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
     many = plan._Sources  # built the way validate builds them, without a device
     n = Tuning().torch_pieces + 1
 
-    def sources(count, contiguous=True):
+    def sources(count, contiguous=True, local=True):
         zeros, ones = np.zeros(count, np.int64), np.ones(count, np.int64)
         return many(start=zeros, count=ones, offset=np.arange(count, dtype=np.int64), numel=ones, lo=zeros, hi=ones,
-                    contiguous=np.full(count, contiguous), local=np.full(count, True))
+                    contiguous=np.full(count, contiguous), local=np.full(count, local))
 
     cuda2, cuda3 = torch.device("cuda", 2), torch.device("cuda", 3)
     assert plan.warm_up_in_flight(cuda2) and not plan.warm_up_in_flight(cuda3)
@@ -154,6 +155,7 @@ def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
     assert not plan._torch_copies_suffice(sources(plan.WHILE_WARMING_PIECES + 1), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda3)
     assert not plan._torch_copies_suffice(sources(n, contiguous=False), Tuning(), cuda2)
+    assert not plan._torch_copies_suffice(sources(n, local=False), Tuning(), cuda2)  # host sources: blocking copies
     assert not plan._torch_copies_suffice(sources(2), plan.KERNELS_ONLY, cuda2)
     gate.set()
     thread.join(5)

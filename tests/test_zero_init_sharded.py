@@ -211,6 +211,38 @@ def test_fallbacks_log_once_each_and_match_key_off(world, rank, fake_world, capl
     assert sharded_names(caplog) == {"after"}
 
 
+class UnderAUserMode(torch.nn.Module):
+    """A large param made while the module's own torch function mode is active (entered after the
+    Init's recorder), then one made after it: the first cannot be watched, the second can."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.overrides import TorchFunctionMode
+
+        class Passing(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with Passing():
+            self.inside = torch.nn.Parameter(torch.empty(16, 32))
+            torch.nn.init.normal_(self.inside)
+        self.after = torch.nn.Parameter(torch.empty(16, 32))
+        torch.nn.init.normal_(self.after)
+
+
+@pytest.mark.parametrize("world, rank", [(1, 0), (3, 2)])
+def test_a_tensor_made_under_a_user_mode_is_made_in_full_and_matches_key_off(world, rank, fake_world, caplog):
+    off = build("torch", world, rank, torch.float32, fake_world, UnderAUserMode)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="ztriton"):
+        on = build("triton", world, rank, torch.float32, fake_world, UnderAUserMode)
+    assert_same(off, on)
+    lines = [r.getMessage() for r in caplog.records if "is created in full" in r.getMessage()]
+    assert len(lines) == 1 and "another torch mode is active" in lines[0], lines
+    assert sharded_names(caplog) == {"after"}
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_no_init_weights_generates_nothing(fake_world, caplog):
     initialization = pytest.importorskip("transformers.initialization")
     with fake_world(3, 0), caplog.at_level(logging.DEBUG, logger="ztriton"):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.init as nn_init
 from torch.overrides import TorchFunctionMode
 from torch.utils import _python_dispatch
+from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -179,6 +180,7 @@ class Recorder:
         self._paused = False
         self._modes: list = []  # (function mode, dispatch mode) while watching, see _watch
         self.active = False  # between __enter__ and __exit__
+        self._thread: int | None = None  # the thread that entered: the one whose mode stacks hold ours
         self._patched: list[tuple[Any, str, Any]] = []
         self.fallbacks: list[tuple[str, Record]] = []  # (op, record), one per materialised record
 
@@ -189,6 +191,7 @@ class Recorder:
         if not pointwise_trunc_normal:
             self._patch(nn_init, "_no_grad_trunc_normal_", self._trunc_normal_wrapper(nn_init._no_grad_trunc_normal_))
         self.active = True
+        self._thread = threading.get_ident()
         _stack().append(self)
         return self
 
@@ -206,9 +209,28 @@ class Recorder:
     # if they are still the innermost modes (else at the recorder's exit: a mode pushed after ours
     # must be popped first).
 
+    def can_watch(self) -> bool:
+        """Whether a placeholder can be made now. Torch's mode stacks are per thread, and a mode's exit
+        pops whatever is on top: our modes may be pushed only on the thread that entered the recorder
+        (its exit pops them there) and only where no other mode is on the stacks, which would then be
+        exited from above ours. A ``torch.device`` context does not count: it keeps itself at the
+        bottom of the stack."""
+        if self._modes:
+            return threading.get_ident() == self._thread
+        if not self.active or threading.get_ident() != self._thread:
+            return False
+        if _python_dispatch._len_torch_dispatch_stack() > 0:
+            return False
+        depth = torch._C._len_torch_function_stack()
+        return all(isinstance(torch._C._get_function_stack_at(i), DeviceContext) for i in range(depth))
+
     def _watch(self) -> None:
         if self._modes:
             return
+        if not self.can_watch():
+            raise RuntimeError("a placeholder cannot be made here: another torch mode is active, or this is not "
+                               "the thread that entered the Recorder (check can_watch() first; create the tensor "
+                               "outside that mode or on that thread)")
         functions, dispatch = _Functions(self), _Dispatch(self)
         functions.__enter__()
         try:
@@ -260,6 +282,9 @@ class Recorder:
         calls made on it are recorded, to be replayed slice by slice (:func:`~.replay.replay`)."""
         if not self.active:
             raise RuntimeError("placeholder() needs the recorder to be active (inside `with recorder:`)")
+        if not self.can_watch():
+            raise RuntimeError("a placeholder cannot be made here: another torch mode is active, or this is not the "
+                               "thread that entered the Recorder; make the tensor outside that mode or on that thread")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -267,7 +292,7 @@ class Recorder:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"placeholders stand for cpu or cuda tensors, not {device}")
         shape = torch.Size(shape)
-        with self.paused():
+        with _Paused(self, step_aside=False):  # one meta allocation: not worth popping the modes for
             tensor = empty(shape, dtype, torch.device("meta"))
         self._register(tensor, Record(tensor.shape, dtype, device, dtype, origin=_origin()))
         return tensor
@@ -501,12 +526,13 @@ class _Paused:
     """Every op passes through; the modes step aside while they are innermost (the integration's own
     work at a module's end would otherwise pay for them op by op) and come back if a record is left."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder, step_aside: bool = True):
         self.recorder, self.before, self.stepped_aside = recorder, False, False
+        self.step_aside = step_aside
 
     def __enter__(self):
         self.before, self.recorder._paused = self.recorder._paused, True
-        self.stepped_aside = self.recorder._step_aside()
+        self.stepped_aside = self.step_aside and self.recorder._step_aside()
         return self
 
     def __exit__(self, *exc):

@@ -359,6 +359,9 @@ def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorde
         request = _placeholder_request(name, args, kwargs, threshold)
         if request is None or recorder._paused or not recorder.active:
             return constructor(*args, **kwargs)
+        if not recorder.can_watch():
+            _log_cannot_watch(recorder, name, request)
+            return constructor(*args, **kwargs)
         shape, dtype = request
         direct = name in ("empty", "zeros", "ones")
         tensor = recorder.placeholder(shape, target if direct and target is not None else dtype, device)
@@ -377,6 +380,16 @@ def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorde
         return tensor
 
     return create
+
+
+def _log_cannot_watch(recorder: Recorder, name: str, request: tuple) -> None:
+    """One line per Init: a large tensor made where the recorder cannot watch it is made in full."""
+    if getattr(recorder, "told_cannot_watch", False):
+        return
+    recorder.told_cannot_watch = True
+    logger.info("ztriton zero.Init: torch.%s of shape %s is created in full (as DeepSpeed does), not by sharded init: "
+                "another torch mode is active or it is made on another thread than the Init's; the same holds for "
+                "any later such tensor of this Init", name, tuple(request[0]))
 
 
 def _placeholder_request(name: str, args: tuple, kwargs: dict, threshold: int) -> tuple[torch.Size, torch.dtype] | None:
