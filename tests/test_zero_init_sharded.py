@@ -180,6 +180,16 @@ def test_key_on_matches_key_off_on_gloo(gloo_world):
 # ---- fallbacks
 
 
+def _same_both_ways(module, world: int, rank: int, fake_world, caplog) -> list[str]:
+    """Build ``module`` (fp32) key off, then key on capturing ztriton's log; assert the two agree; the messages."""
+    off = build("torch", world, rank, torch.float32, fake_world, module)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="ztriton"):
+        on = build("triton", world, rank, torch.float32, fake_world, module)
+    assert_same(off, on)
+    return [r.getMessage() for r in caplog.records]
+
+
 class Unrecordable(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -199,12 +209,8 @@ class Unrecordable(torch.nn.Module):
 
 @pytest.mark.parametrize("world, rank", [(1, 0), (3, 1)])
 def test_fallbacks_log_once_each_and_match_key_off(world, rank, fake_world, caplog):
-    off = build("torch", world, rank, torch.float32, fake_world, Unrecordable)
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="ztriton"):
-        on = build("triton", world, rank, torch.float32, fake_world, Unrecordable)
-    assert_same(off, on)
-    lines = [r.getMessage() for r in caplog.records if FALLBACK in r.getMessage()]
+    messages = _same_both_ways(Unrecordable, world, rank, fake_world, caplog)
+    lines = [m for m in messages if FALLBACK in m]
     assert len(lines) == 3, lines
     assert any("orthogonal_" in line for line in lines) and any("__setitem__" in line for line in lines)
     assert any("aten.copy_" in line for line in lines)
@@ -232,12 +238,8 @@ class UnderAUserMode(torch.nn.Module):
 
 @pytest.mark.parametrize("world, rank", [(1, 0), (3, 2)])
 def test_a_tensor_made_under_a_user_mode_is_made_in_full_and_matches_key_off(world, rank, fake_world, caplog):
-    off = build("torch", world, rank, torch.float32, fake_world, UnderAUserMode)
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG, logger="ztriton"):
-        on = build("triton", world, rank, torch.float32, fake_world, UnderAUserMode)
-    assert_same(off, on)
-    lines = [r.getMessage() for r in caplog.records if "is created in full" in r.getMessage()]
+    messages = _same_both_ways(UnderAUserMode, world, rank, fake_world, caplog)
+    lines = [m for m in messages if "is created in full" in m]
     assert len(lines) == 1 and "another torch mode is active" in lines[0], lines
     assert sharded_names(caplog) == {"after"}
     assert torch._C._len_torch_function_stack() == 0
