@@ -5,7 +5,9 @@
 Runs the demo's warm-up (as ``python -m ztriton demo`` does), then each step ``--repeats`` times with the key
 off and on, as rank 0 of a simulated W = 8: prints the median seconds of each, then the top functions by own
 and cumulative time of the key-on repeats under cProfile (a separate set of repeats, so the profiler's
-overhead does not enter the medians). ``--out`` keeps each profile (``python -m pstats``). On a machine
+overhead does not enter the medians), with the CUDA allocator's counts per run (tensor allocations, and
+segments: each a ``cudaMalloc``; ``--empty-cache`` empties the cache before each run as the demo does).
+``--out`` keeps each profile (``python -m pstats``). On a machine
 without CUDA it runs the demo's CPU shape under the interpreter: the host-side shares still mean something.
 """
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--empty-cache", action="store_true",
+                        help="empty the CUDA cache before each run, as the demo does (every allocation a cudaMalloc)")
     args = parser.parse_args(argv)
 
     import torch
@@ -57,21 +61,38 @@ def main(argv=None) -> int:
     host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
     demo.run_steps(demo.WARMUP_SHAPE, device, args.world, 4096, quiet=True)
 
+    allocations: dict[str, list[tuple[int, int]]] = {"torch": [], "triton": []}
+
     def once(kind: str, backend: str) -> float:
         with simulated_world(args.world, 0):
             step = _step(kind, shape, backend, device, args.world, host_init_bytes)
             if device == "cuda":
+                if args.empty_cache:
+                    torch.cuda.empty_cache()
                 torch.cuda.synchronize()
+                before = torch.cuda.memory_stats()
             start = time.perf_counter()
             step()
             if device == "cuda":
                 torch.cuda.synchronize()
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if device == "cuda":
+                after = torch.cuda.memory_stats()
+                # tensor allocations, and segments (each a cudaMalloc) the step asked the driver for
+                allocations[backend].append(tuple(after.get(k, 0) - before.get(k, 0) for k in (
+                    "allocation.all.allocated", "segment.all.allocated")))
+            return seconds
 
     for kind in args.steps:
         medians = {b: statistics.median(once(kind, b) for _ in range(args.repeats)) for b in ("torch", "triton")}
         print(f"[profile_demo] {kind}: key off {medians['torch'] * 1e3:.2f} ms, key on "
-              f"{medians['triton'] * 1e3:.2f} ms (median of {args.repeats})", flush=True)
+              f"{medians['triton'] * 1e3:.2f} ms (median of {args.repeats}"
+              f"{', CUDA cache emptied before each' if args.empty_cache else ''})", flush=True)
+        for backend, counts in allocations.items():
+            if counts:
+                print(f"[profile_demo]   {backend}: {counts[-1][0]} tensor allocations, {counts[-1][1]} cudaMalloc "
+                      "segments per run", flush=True)
+            counts.clear()
         for backend in ("triton", "torch"):
             profile = cProfile.Profile()
             profile.enable()
