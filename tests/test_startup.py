@@ -33,6 +33,8 @@ SCRIPT = textwrap.dedent("""
     # Gloo's threads torn down here, not by the interpreter's exit: under load that exit can abort
     # ("terminate called without an active exception"), which is gloo's, not the key's.
     torch.distributed.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    import os; os._exit(0)  # nothing left to tear down that the test looks at
 """)
 
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
@@ -52,8 +54,14 @@ def _run(tmp_path, config: dict, *extra: str, env: dict | None = None, port: int
     full_env = {**os.environ, **CPU_ENV, "MASTER_PORT": str(port)}
     full_env.pop("ZTRITON_AUTOLOAD", None)
     full_env.update(env or {})
-    done = subprocess.run([sys.executable, str(script), json.dumps(config), *extra], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=300)
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, str(script), json.dumps(config), *extra], cwd=tmp_path, env=full_env,
+                              capture_output=True, text=True, timeout=300)
+        # Gloo's teardown can abort a finished script under load (CI's 2 cores, seen once in ~20 runs):
+        # that run is repeated once, whole; everything the test checks comes from the repeat.
+        if not (done.returncode == -6 and "ZTRITON_LOADED" in done.stdout
+                and "terminate called without an active exception" in done.stderr):
+            break
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout, done.stderr
 
