@@ -224,13 +224,15 @@ class Recorder:
         depth = torch._C._len_torch_function_stack()
         return all(isinstance(torch._C._get_function_stack_at(i), DeviceContext) for i in range(depth))
 
+    def _require_watch(self) -> None:
+        if not self.can_watch():
+            raise RuntimeError("a placeholder cannot be made here: another torch mode is active, or this is not the "
+                               "thread that entered the Recorder; make the tensor outside that mode or on that thread")
+
     def _watch(self) -> None:
         if self._modes:
             return
-        if not self.can_watch():
-            raise RuntimeError("a placeholder cannot be made here: another torch mode is active, or this is not "
-                               "the thread that entered the Recorder (check can_watch() first; create the tensor "
-                               "outside that mode or on that thread)")
+        self._require_watch()
         functions, dispatch = _Functions(self), _Dispatch(self)
         functions.__enter__()
         try:
@@ -282,9 +284,7 @@ class Recorder:
         calls made on it are recorded, to be replayed slice by slice (:func:`~.replay.replay`)."""
         if not self.active:
             raise RuntimeError("placeholder() needs the recorder to be active (inside `with recorder:`)")
-        if not self.can_watch():
-            raise RuntimeError("a placeholder cannot be made here: another torch mode is active, or this is not the "
-                               "thread that entered the Recorder; make the tensor outside that mode or on that thread")
+        self._require_watch()  # before anything is made
         dtype = torch.get_default_dtype() if dtype is None else dtype
         device = torch.device("cpu") if device is None else torch.device(device)
         if device.type == "cuda" and device.index is None:

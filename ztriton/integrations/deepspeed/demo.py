@@ -103,11 +103,16 @@ def _measure(device: str, step: Callable[[], list[torch.Tensor]]) -> Measured:
 def _median(runs: list[Measured]) -> Measured:
     """One row's figures from repeated runs: the median time, the largest peak, the first run's bytes
     (every run's bytes must match it)."""
-    same = all(len(r.bits) == len(runs[0].bits) and all(torch.equal(a, b) for a, b in zip(r.bits, runs[0].bits))
-               for r in runs[1:])
+    same = all(_same_bits(r.bits, runs[0].bits) for r in runs[1:])
     peaks = [r.peak_mib for r in runs if r.peak_mib is not None]
     return Measured(statistics.median(r.seconds for r in runs), max(peaks) if peaks else None,
                     runs[0].bits if same else None)
+
+
+def _same_bits(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    """Both runs' bytes known and equal, tensor by tensor."""
+    return (a is not None and b is not None and len(a) == len(b)
+            and all(torch.equal(x, y) for x, y in zip(a, b)))
 
 
 def _valid_partitions(model: torch.nn.Module, world_size: int, rank: int) -> list[torch.Tensor]:
@@ -188,8 +193,7 @@ def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: in
                     del step
             measured[backend] = _median(runs)
         off, on = measured["torch"], measured["triton"]
-        same = (off.bits is not None and on.bits is not None and len(off.bits) == len(on.bits)
-                and all(torch.equal(a, b) for a, b in zip(off.bits, on.bits)))
+        same = _same_bits(off.bits, on.bits)
         rows.append((label, off.seconds, off.peak_mib, on.seconds, on.peak_mib, same))
         if not quiet:
             print(f"[demo]   bytes {'identical' if same else 'DIFFERENT'}", flush=True)

@@ -31,6 +31,7 @@ class InitState:
     done_params: int = 0
     sharded_params: int = 0  # of done_params: initialised shard by shard (exact sharded init)
     entered: float | None = None  # perf_counter() when its context was entered (the summary's time)
+    told_unwatchable: bool = False  # the "created in full: the recorder cannot watch it" line was logged
 
 
 @dataclass

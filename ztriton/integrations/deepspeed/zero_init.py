@@ -305,7 +305,8 @@ def init_add_tensor_creation_wrappers(original, self):
     _RECORDERS[self] = recorder
     threshold = _options(self).host_init_bytes
     for name in PLACEHOLDER_CONSTRUCTORS:
-        setattr(torch, name, _placeholder_constructor(getattr(torch, name), name, recorder, threshold, target, device))
+        setattr(torch, name, _placeholder_constructor(getattr(torch, name), name, recorder, threshold, target, device,
+                                                      STATE.init(self)))
     remove = type(self)._remove_tensor_creation_wrappers
 
     def _remove_tensor_creation_wrappers():  # an instance attribute: DeepSpeed calls it through self
@@ -348,7 +349,7 @@ def _stop_recording(init) -> None:
 
 
 def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorder, threshold: int,
-                             target: torch.dtype | None, device: torch.device) -> Callable:
+                             target: torch.dtype | None, device: torch.device, state: InitState) -> Callable:
     """``constructor`` (DeepSpeed's wrapper), except that a large floating tensor it would create on the
     device is a placeholder whose recorded values are those DeepSpeed's call gives: empty/zeros/ones
     straight in the Init's dtype (the same values), full/randn made in the dtype asked for and then
@@ -360,7 +361,7 @@ def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorde
         if request is None or recorder._paused or not recorder.active:
             return constructor(*args, **kwargs)
         if not recorder.can_watch():
-            _log_cannot_watch(recorder, name, request)
+            _log_cannot_watch(state, name, request)
             return constructor(*args, **kwargs)
         shape, dtype = request
         direct = name in ("empty", "zeros", "ones")
@@ -382,11 +383,11 @@ def _placeholder_constructor(constructor: Callable, name: str, recorder: Recorde
     return create
 
 
-def _log_cannot_watch(recorder: Recorder, name: str, request: tuple) -> None:
+def _log_cannot_watch(state: InitState, name: str, request: tuple) -> None:
     """One line per Init: a large tensor made where the recorder cannot watch it is made in full."""
-    if getattr(recorder, "told_cannot_watch", False):
+    if state.told_unwatchable:
         return
-    recorder.told_cannot_watch = True
+    state.told_unwatchable = True
     logger.info("ztriton zero.Init: torch.%s of shape %s is created in full (as DeepSpeed does), not by sharded init: "
                 "another torch mode is active or it is made on another thread than the Init's; the same holds for "
                 "any later such tensor of this Init", name, tuple(request[0]))
