@@ -166,8 +166,49 @@ class _Sources:
 def _gather_sources(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool, what: str) -> _Sources:
     """Check each piece's types, dtype and (if ``same_device``) device, and collect its sizes and memory extent.
 
-    One pass, a few attribute reads per piece: this loop is most of a plan's host time.
+    The common case (every source a contiguous dense tensor of dst's dtype, plain int ranges) in a few
+    comprehensions; anything else one piece at a time, which also names the culprit of an error.
     """
+    common = _gather_common(pieces, dst, same_device)
+    return common if common is not None else _gather_each(pieces, dst, same_device, what)
+
+
+def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool) -> _Sources | None:
+    """:func:`_gather_sources` for pieces that are all ``(contiguous tensor of dst's dtype, int, int, int)``
+    on a device that holds values; None for anything else (checked and named by :func:`_gather_each`).
+
+    Each comprehension reads one attribute of every source (~0.1 us each): a flatten's or defragment's
+    600 pieces cost ~0.4 ms here against ~1 ms one piece at a time.
+    """
+    if not pieces or dst.dtype.is_complex or not all(isinstance(p, tuple) and len(p) == 4 for p in pieces):
+        return None
+    srcs, starts, counts, offsets = zip(*pieces)
+    if not all(issubclass(kind, torch.Tensor) for kind in {type(s) for s in srcs}) or \
+            {type(v) for v in starts + counts + offsets} != {int}:
+        return None
+    if {s.dtype for s in srcs} != {dst.dtype} or {s.layout for s in srcs} != {torch.strided}:
+        return None
+    devices = {s.device for s in srcs}
+    if any(d.type == "meta" for d in devices) or (same_device and devices != {dst.device}):
+        return None
+    if not all([s.is_contiguous() for s in srcs]):
+        return None
+    try:
+        ranges = np.array((starts, counts, offsets), dtype=np.int64)
+    except OverflowError:
+        return None
+    if np.abs(ranges).max() >= _INDEX_LIMIT:
+        return None
+    local = np.ones(len(srcs), dtype=bool) if devices == {dst.device} else \
+        np.array([s.device == dst.device for s in srcs], dtype=bool)
+    numel = np.array([s.numel() for s in srcs], dtype=np.int64)
+    lo = np.array([s.data_ptr() for s in srcs], dtype=np.int64)
+    return _Sources(*ranges, numel, lo, lo + numel * dst.element_size(), contiguous=np.ones(len(srcs), dtype=bool),
+                    local=local)
+
+
+def _gather_each(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool, what: str) -> _Sources:
+    """:func:`_gather_sources` one piece at a time: any kind of piece, and the error naming the first bad one."""
     dtype, device, itemsize = dst.dtype, dst.device, dst.element_size()
     conj_possible = dtype.is_complex
     rows, contiguous, local = [], [], []
@@ -736,8 +777,14 @@ def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int
                      ) -> tuple[list[Piece], np.ndarray]:
     """``(src, start, count, offset)`` slices as pieces, and the ranges of ``dst`` they leave to zero."""
     check_dst(dst)
+    slices = as_sequence("slices", slices)
+    columns = _plain_slices(slices)
+    if columns is not None:
+        pieces = list(slices)  # the common case: already what a piece is (each source is checked by validate)
+        offsets, counts = columns[:, 2], columns[:, 1]
+        return pieces, _gaps(offsets, offsets + np.maximum(counts, 0), 0, dst.numel())
     pieces = []
-    for i, s in enumerate(as_sequence("slices", slices)):
+    for i, s in enumerate(slices):
         if isinstance(s, torch.Tensor) or not isinstance(s, (tuple, list)) or len(s) != 4:
             raise TypeError(f"slices[{i}] must be a (src, start, count, offset) tuple, got {_show(s)}")
         src, start, count, offset = s
@@ -746,6 +793,19 @@ def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int
     offsets = np.array([p[3] for p in pieces], dtype=np.int64)
     counts = np.array([p[2] for p in pieces], dtype=np.int64)
     return pieces, _gaps(offsets, offsets + np.maximum(counts, 0), 0, dst.numel())
+
+
+def _plain_slices(slices: Sequence) -> np.ndarray | None:
+    """``[n, 3]`` (start, count, offset) of slices that are all 4-tuples of a source and plain ints in
+    range; None otherwise (then each slice is checked, and a bad one named, one at a time)."""
+    if not all(type(s) is tuple and len(s) == 4 for s in slices) or \
+            not {type(v) for s in slices for v in s[1:]} <= {int}:
+        return None
+    try:
+        columns = np.array([s[1:] for s in slices], dtype=np.int64).reshape(-1, 3)
+    except OverflowError:
+        return None
+    return columns if not len(columns) or np.abs(columns).max() < _INDEX_LIMIT else None
 
 
 def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],

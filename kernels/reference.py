@@ -33,13 +33,18 @@ def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
               what: str = "sources") -> torch.Tensor:
     """Copy every piece into ``dst`` and zero ``zero_ranges``, after the kernels' own checks."""
     srcs, zeros = validate(dst, pieces, zero_ranges, same_device=False, what=what)
+    with torch.no_grad():  # bits move as the kernels move them: a source that requires grad is not recorded
+        _copy_pieces(dst, pieces, srcs, zeros)
+    return dst
+
+
+def _copy_pieces(dst: torch.Tensor, pieces: Sequence[Piece], srcs, zeros) -> None:
     for offset, count in zeros.tolist():
         dst.narrow(0, offset, count).zero_()
     for (src, *_), start, count, offset in zip(pieces, srcs.start.tolist(), srcs.count.tolist(), srcs.offset.tolist()):
         if count:
             part = src.reshape(-1).narrow(0, start, count)
             dst.narrow(0, offset, count).copy_(part, non_blocking=part.is_pinned() or dst.is_pinned())
-    return dst
 
 
 def torch_copy_chunk(src: torch.Tensor, dst: torch.Tensor, start: int = 0, count: int | None = None) -> torch.Tensor:

@@ -354,6 +354,26 @@ def test_params_alias_the_buffer_both_ways():
     assert torch.equal(params[0].grad, torch.full((2, 3), 2.0)) and fg.flat.grad is None
 
 
+def test_every_kind_of_param_is_repointed_into_the_buffer():
+    """Params, plain tensors, a tensor from .detach() and a view of another tensor: each
+    keeps its identity and values and ends up a contiguous view of the flat buffer with its shape (in place
+    where torch allows it, through .data where not)."""
+    leaf = torch.arange(40, dtype=torch.float32).requires_grad_()
+    params = [torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+              torch.arange(4, dtype=torch.float32).requires_grad_(),
+              torch.nn.Parameter(torch.arange(5, dtype=torch.float32)).detach().requires_grad_(),
+              leaf[10:18].view(2, 4),  # a view (of a leaf that is not flattened)
+              torch.nn.Parameter(torch.arange(30, dtype=torch.float32)[20:30])]
+    assert params[3]._is_view()
+    before = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    (fg,) = ztriton.flatten_groups([params])
+    storage = fg.flat.untyped_storage().data_ptr()
+    for p, v, i, offset in zip(params, before, ids, fg.offsets):
+        assert id(p) == i and p.shape == v.shape and p.is_contiguous() and torch.equal(p.detach(), v)
+        assert p.untyped_storage().data_ptr() == storage and p.storage_offset() == fg.flat.storage_offset() + offset
+
+
 def test_evicted_params_go_through_the_spill_pool(monkeypatch):
     """Evict and host tiers: params go to the process's spill memory and come back from it, one copy each,
     not through the staging ring; only the first call allocates host memory (the pool's block is reused),

@@ -640,3 +640,93 @@ def test_gpu_transposed_large():
     part = torch.empty(1_000_003, dtype=torch.bfloat16, device="cuda")
     copy_chunk(src, part, 777_777, part.numel())
     assert torch.equal(bits(part), bits(src.reshape(-1)[777_777:777_777 + part.numel()]))
+
+
+# --------------------------------------------------------------------------------------------
+# The planner's common-case reads (a few comprehensions) and its piece-at-a-time loop must agree.
+
+
+def _sources_equal(a, b) -> bool:
+    return all(bool((getattr(a, f) == getattr(b, f)).all()) for f in
+               ("start", "count", "offset", "numel", "lo", "hi", "contiguous", "local"))
+
+
+@given(st.data())
+@FAST
+def test_common_case_reads_what_the_loop_reads(data):
+    """Contiguous sources of dst's dtype with plain int ranges: the vectorised reads give the same
+    columns as the one-piece-at-a-time loop, for any sizes, views into one buffer, params and empties."""
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.bool]))
+    numels = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=12))
+    base = random_tensor([sum(numels) + 3], dtype)
+    pieces, at = [], 0
+    for k, n in enumerate(numels):
+        src = base.narrow(0, at, n)
+        if k % 3 == 1:
+            src = torch.nn.Parameter(src.clone(), requires_grad=False)
+        start = data.draw(st.integers(0, n))
+        count = data.draw(st.integers(0, n - start))
+        pieces.append((src, start, count, 2 * at))
+        at += n
+    dst = poisoned(2 * at + 1, dtype)
+    common = plan_module._gather_common(pieces, dst, True)
+    assert common is not None
+    assert _sources_equal(common, plan_module._gather_each(pieces, dst, True, "sources"))
+
+
+@pytest.mark.parametrize("case", ["strided", "numpy int", "bool count", "other dtype", "complex", "not a tuple",
+                                  "five fields", "not a tensor", "meta", "huge offset"])
+def test_common_case_steps_aside_for_anything_else(case):
+    """Every piece that is not the plain case sends the whole call through the loop (which checks it,
+    and names it if it is wrong); the plain reads never accept what the loop would refuse."""
+    dst = torch.zeros(64)
+    good = (torch.arange(8.0), 0, 8, 0)
+    bad = {
+        "strided": (torch.arange(16.0)[::2], 0, 8, 8),
+        "numpy int": (torch.arange(8.0), 0, __import__("numpy").int64(8), 8),
+        "bool count": (torch.arange(8.0), 0, True, 8),
+        "other dtype": (torch.arange(8, dtype=torch.int32), 0, 8, 8),
+        "complex": None,
+        "not a tuple": [torch.arange(8.0), 0, 8, 8],
+        "five fields": (torch.arange(8.0), 0, 8, 8, 0),
+        "not a tensor": ("tensor", 0, 8, 8),
+        "meta": (torch.empty(8, device="meta"), 0, 8, 8),
+        "huge offset": (torch.arange(8.0), 0, 8, 2**63 - 1),
+    }[case]
+    if case == "complex":  # 16-byte elements move as word pairs: always the loop
+        complex_piece = (torch.zeros(8, dtype=torch.complex64), 0, 8, 0)
+        assert plan_module._gather_common([complex_piece], torch.zeros(64, dtype=torch.complex64), True) is None
+        return
+    assert plan_module._gather_common([good, good[:3] + (16,)], dst, True) is not None
+    assert plan_module._gather_common([good, bad], dst, True) is None
+    if case in ("strided", "numpy int"):  # fine pieces, just not the plain case
+        assert plan_module.validate(dst, [good, bad])[0].count.tolist() == [8, 8]
+    else:
+        with pytest.raises((TypeError, ValueError)):
+            plan_module.validate(dst, [good, bad])
+
+
+def test_plain_slices_are_taken_as_they_are_and_others_checked():
+    """pack_slices' common case (4-tuples of a source and ints) is taken whole; a numpy count, a list, or an
+    out-of-range int goes through the checks, which name it."""
+    dst = torch.zeros(16)
+    src = torch.arange(8.0)
+    pieces, zeros = plan_module.slices_to_pieces(dst, [(src, 0, 4, 0), (src, 4, 4, 8)])
+    assert pieces == [(src, 0, 4, 0), (src, 4, 4, 8)] and zeros.tolist() == [[4, 4], [12, 4]]
+    import numpy as np
+    pieces, _ = plan_module.slices_to_pieces(dst, [(src, 0, np.int64(4), 0)])
+    assert type(pieces[0][2]) is int
+    with pytest.raises(ValueError, match=r"slices\[1\] offset"):
+        plan_module.slices_to_pieces(dst, [(src, 0, 4, 0), (src, 0, 4, 2**63)])
+    with pytest.raises(TypeError, match=r"slices\[0\] count"):
+        plan_module.slices_to_pieces(dst, [(src, 0, 4.0, 0)])
+
+
+def test_reference_copy_of_a_source_that_requires_grad_is_not_recorded():
+    """torch_pack reads params as they are, like the kernels: the destination neither requires grad nor
+    holds an autograd history afterwards."""
+    param = torch.nn.Parameter(torch.arange(6.0))
+    dst = torch.zeros(8)
+    torch_pack(dst, [param], [1])
+    assert not dst.requires_grad and dst.grad_fn is None
+    assert torch.equal(dst, torch.tensor([0.0, 0, 1, 2, 3, 4, 5, 0]))

@@ -109,6 +109,24 @@ def _check(tensors: object) -> list[torch.Tensor]:
         raise TypeError(f"tensors must be a list of 1-D tensors (the ZeRO-3 partitions), got {type(tensors).__name__}; "
                         "for one tensor pass [tensor]")
     tensors = list(tensors)
+    # One pass per attribute over hundreds of partitions in the common case; the loop below names a culprit.
+    if not (all(isinstance(t, torch.Tensor) for t in tensors) and {t.layout for t in tensors} <= {torch.strided}
+            and {t.dim() for t in tensors} <= {1}):
+        _name_bad_tensor(tensors)
+    devices = {t.device for t in tensors}
+    if any(d.type == "meta" for d in devices):
+        _name_bad_tensor(tensors)
+    if len({t.dtype for t in tensors}) > 1 or len(devices) > 1:
+        kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+        raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
+    for i, t in enumerate(tensors):
+        if not t.is_contiguous():  # dense partitions are copied as bytes: nothing to refuse
+            memory.check_kernels_take(t, f"tensors[{i}]")
+    return tensors
+
+
+def _name_bad_tensor(tensors: list) -> None:
+    """Raise for the first entry that is not a dense 1-D tensor holding values."""
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
@@ -119,12 +137,6 @@ def _check(tensors: object) -> list[torch.Tensor]:
                              "(the ZeRO-3 partitions), as DeepSpeed's defragment does: pass t.view(-1)")
         if t.device.type == "meta":
             raise ValueError(f"tensors[{i}] is on the meta device and holds no values")
-    if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
-        kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
-        raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
-    for i, t in enumerate(tensors):
-        memory.check_kernels_take(t, f"tensors[{i}]")
-    return tensors
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[tuple[int, list[int]]]:

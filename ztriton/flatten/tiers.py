@@ -79,7 +79,7 @@ class Run:
 
 def _device_tier(g: Group, run: Run) -> torch.Tensor:
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-    _pack(flat, _sources(g), g.offsets)
+    _pack(flat, g.params, g.offsets)
     return flat
 
 
@@ -110,7 +110,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
 
     def pack_window() -> torch.Tensor:
         part = empty(w1 - w0, g.dtype, g.device, "partition buffer")
-        _pack(part, _sources(g), g.offsets, window=(w0, w1))
+        _pack(part, g.params, g.offsets, window=(w0, w1))
         return part
 
     step = agree(world, pack_window)
@@ -184,10 +184,6 @@ TIERS = {Tier.DEVICE: _device_tier, Tier.DISTRIBUTED: _distributed_tier, Tier.EV
 
 # --------------------------------------------------------------------------------------------
 # Helpers of the tiers.
-
-
-def _sources(g: Group) -> list[torch.Tensor]:
-    return [p.detach() for p in g.params]
 
 
 def _checksum(g: Group) -> int:
@@ -319,7 +315,8 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool =
 
 def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
           window: tuple[int, int] | None = None) -> None:
-    """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device."""
+    """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device. The
+    sources are read in place (params as they are: neither path records autograd)."""
     if kernels_run_on(dst.device):
         pack(dst, sources, offsets, window)
         return
