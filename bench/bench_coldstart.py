@@ -46,9 +46,9 @@ def _config(backend: str, stage: int) -> dict:
 def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dict:
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from bench.harness import cpu_fallback
+
+    cpu_fallback()
     import ztriton  # noqa: F401
     import deepspeed
     from bench.models import LLMMix, llm_mix

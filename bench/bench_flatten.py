@@ -1,6 +1,6 @@
 """ZeRO-1/2 flatten on one GPU: ztriton.flatten_groups' tiers against DeepSpeed's two paths.
 
-``python bench/bench_flatten.py [--out DIR] [--sizes 8.6 40] [--skip-host] [--smoke]``
+``python bench/bench_flatten.py [--out DIR] [--sizes 8.6 40] [--skip-host] [--device-only] [--keep-cache] [--smoke]``
 
 One optimizer group of bf16 params, the LLM mix (200 x [4096, 4096], 400 x [4096], 2 x [151936, 4096],
 8.6 GiB) and a 40 GiB version (1200 x [4096, 4096], 2400 x [4096], 2 x [151936, 4096]), laid out as
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -37,9 +36,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CUDA = torch.cuda.is_available()
-if not CUDA:  # --smoke on a CPU: the kernels run under the interpreter, which triton reads at import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from bench.harness import CUDA, cpu_fallback  # noqa: E402
+
+cpu_fallback()  # --smoke on a CPU
 
 import torch.distributed as dist  # noqa: E402
 
@@ -56,6 +55,9 @@ RANK = 3
 GiB = 1 << 30
 DEVICE = "cuda" if CUDA else "cpu"
 SMOKE_SHAPES = [[64, 64]] * 6 + [[64]] * 12 + [[1000, 8]] * 2
+# --keep-cache: the CUDA caching allocator keeps its blocks between calls (a warm process: the flat buffer's
+# allocation is a cache hit for both paths); by default each call starts from an emptied cache.
+KEEP_CACHE = [False]
 
 
 def llm_mix_40() -> list[list[int]]:
@@ -174,7 +176,8 @@ def run_method(label, method, shapes, layout, entry, reps: int, checked: bool = 
         aliased = all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in params)
         assert aliased, f"{label}: params do not alias the flat buffer"
         del params, flat
-        free_memory()
+        if not KEEP_CACHE[0]:
+            free_memory()
     nbytes = layout.total_numel * 2
     secs = statistics.median(s for s, _ in samples)
     peak = max(p for _, p in samples)
@@ -355,13 +358,16 @@ def main() -> None:
     parser.add_argument("--name", default="flatten_h200")
     parser.add_argument("--device-only", action="store_true",
                         help="only the on-device flattens (DeepSpeed's and the device tier), 5 timed runs at 8.6 GiB")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="keep the CUDA allocator's cache between calls (warm process); default: empty it")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too")
     args = parser.parse_args()
+    KEEP_CACHE[0] = args.keep_cache
     if not CUDA and not args.smoke:
         parser.error("needs a CUDA device (or --smoke)")
     started = time.perf_counter()
     copy_bw = torch_copy_gbps((2 << 30) if not args.smoke else (16 << 20))
-    figures = {"torch_copy_gbps": copy_bw}
+    figures = {"torch_copy_gbps": copy_bw, "cuda_cache_kept_between_calls": args.keep_cache}
     print(f"torch copy_: {copy_bw:.0f} GB/s", flush=True)
     with simulated_world(WORLD, RANK):
         run_case("warmup", SMOKE_SHAPES, {}, copy_bw, 0, 0, args.skip_host)  # Triton compiles here

@@ -48,10 +48,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CUDA = torch.cuda.is_available()
-if not CUDA:  # --smoke on a CPU; both are read once, when triton / deepspeed is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from bench.harness import CUDA, cpu_fallback  # noqa: E402
+
+cpu_fallback()  # --smoke on a CPU
 
 import ztriton  # noqa: E402,F401  (hooks DeepSpeed as soon as it is imported)
 import deepspeed  # noqa: E402

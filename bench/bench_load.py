@@ -134,9 +134,9 @@ def run_case(checkpoint: str, backend: str, world: int, rank: int) -> dict:
     """One ``from_pretrained`` as rank ``rank`` of a simulated world of ``world``: figures and digests."""
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from bench.harness import cpu_fallback
+
+    cpu_fallback()
     import ztriton  # noqa: F401  (hooks DeepSpeed and transformers)
     import deepspeed  # noqa: F401
     from transformers import AutoModelForCausalLM

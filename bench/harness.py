@@ -24,6 +24,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CUDA = torch.cuda.is_available()
 
 
+def cpu_fallback(threads: int | None = None) -> bool:
+    """Without CUDA: the kernels under Triton's interpreter and DeepSpeed on its CPU accelerator (both read
+    once, when the kernels module or deepspeed is first imported: call this before), ``threads`` intra-op
+    threads if given (on a shared CPU, threads waiting on each other skew every figure). True if on CPU."""
+    if CUDA:
+        return False
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return True
+
+
 def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 300) -> float:
     """Median milliseconds of ``fn`` on the device (``triton.testing.do_bench``), or wall clock on CPU."""
     if torch.cuda.is_available():

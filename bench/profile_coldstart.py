@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import os
 import pstats
 import sys
 import time
@@ -43,10 +42,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(args.threads)  # a shared CPU: intra-op threads waiting on each other skew every figure
+    from bench.harness import cpu_fallback
+
+    cpu_fallback(threads=args.threads)
     profile = cProfile.Profile()
     profile.enable()
     import ztriton  # noqa: F401

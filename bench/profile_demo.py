@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -43,15 +42,17 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--torch-profiler", action="store_true",
+                        help="also run each backend under torch.profiler (CPU and CUDA activity) and print its top ops")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the CUDA cache before each run, as the demo does (every allocation a cudaMalloc)")
     args = parser.parse_args(argv)
 
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from bench.harness import cpu_fallback
+
+    cpu_fallback()
     from ztriton.integrations.deepspeed import demo
     from ztriton.testing import simulated_world
 
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
             return seconds
 
     for kind in args.steps:
+        if args.torch_profiler:
+            _torch_profile(kind, once, args)
         medians = {b: statistics.median(once(kind, b) for _ in range(args.repeats)) for b in ("torch", "triton")}
         print(f"[profile_demo] {kind}: key off {medians['torch'] * 1e3:.2f} ms, key on "
               f"{medians['triton'] * 1e3:.2f} ms (median of {args.repeats}"
@@ -109,6 +112,29 @@ def main(argv=None) -> int:
                 print(f"[profile_demo] {kind} key on, by cumulative time:", flush=True)
                 stats.sort_stats("cumulative").print_stats(args.top)
     return 0
+
+
+def _torch_profile(kind: str, once, args) -> None:
+    """Each backend's repeats under torch.profiler: the ops and runtime calls (cudaMalloc, synchronisations,
+    launches) by self CPU time and by device time, where a Python profile cannot see."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for backend in ("torch", "triton"):
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                once(kind, backend)
+        table = prof.key_averages()
+        print(f"[profile_demo] {kind} key {'off' if backend == 'torch' else 'on'} under torch.profiler, "
+              f"{args.repeats} repeats, by self CPU time:", flush=True)
+        print(table.table(sort_by="self_cpu_time_total", row_limit=args.top), flush=True)
+        if torch.cuda.is_available():
+            print(f"[profile_demo] {kind} key {'off' if backend == 'torch' else 'on'}, by device time:", flush=True)
+            print(table.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.out / f"demo_{kind}_{backend}_trace.json"))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import contextlib
-import os
 import pstats
 import statistics
 import sys
@@ -33,13 +32,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(1)
+    from bench.harness import cpu_fallback, kernel_launches_skipped
+
+    cuda = not cpu_fallback(threads=1)
     import ztriton
-    from bench.harness import kernel_launches_skipped
     from bench.models import llm_mix
     from ztriton.testing import simulated_world
 
