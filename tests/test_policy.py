@@ -229,6 +229,21 @@ def test_probe_memory_on_cuda():
     assert info.host_available > 0
 
 
+@pytest.mark.gpu
+def test_probe_counts_the_allocators_idle_cache_as_free():
+    """Freed blocks the caching allocator keeps are free to this process: the probe adds exactly
+    reserved - allocated to the driver's figure."""
+    import torch
+
+    torch.cuda.empty_cache()
+    idle = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del idle  # 256 MiB cached, not allocated
+    assert memory._cached_bytes(torch.cuda.current_device()) == \
+        torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 256 << 20
+    torch.cuda.empty_cache()
+    assert memory._cached_bytes(torch.cuda.current_device()) == torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
 def test_log_decision(caplog):
     decision = choose_flatten_tier(M, 4, 3 * GiB + H, 1 << 50, H)
     memory = MemoryInfo("cuda:0", 4 * GiB, 80 * GiB, 100 * GiB, "nvml")

@@ -136,7 +136,7 @@ def probe_memory(device: torch.device | str) -> MemoryInfo:
     if device.type != "cuda":
         return MemoryInfo(str(device), host, host, host, "host")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    cached = _cached_bytes(index)
     nvml = _nvml_free(index)
     if nvml is not None:
         free, total = nvml
@@ -145,6 +145,15 @@ def probe_memory(device: torch.device | str) -> MemoryInfo:
         free, total = torch.cuda.mem_get_info(index)
         source = "torch"
     return MemoryInfo(str(device), free + cached, total, host, source)
+
+
+def _cached_bytes(index: int) -> int:
+    """The caching allocator's reserved-but-unallocated bytes on a CUDA device. From one nested stats dict:
+    memory_reserved and memory_allocated each flatten the whole dict first (~0.1 ms apiece per probe)."""
+    stats = torch.cuda.memory_stats_as_nested_dict(index)
+    if not stats:  # CUDA not initialised in this process: nothing reserved
+        return 0
+    return stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
 
 
 def measure_peak(fn: Callable[[], Any]) -> tuple[Any, float, int]:
