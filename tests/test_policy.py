@@ -244,6 +244,27 @@ def test_probe_counts_the_allocators_idle_cache_as_free():
     assert memory._cached_bytes(torch.cuda.current_device()) == torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
+def test_nvml_handle_looked_up_once_per_process(monkeypatch):
+    """A probe asks NVML for the device's memory each time but for its handle once per process (a forked
+    child, with another pid, looks it up anew); a failing NVML gives None (the probe then asks torch)."""
+    import types
+
+    lookups = []
+    fake = types.SimpleNamespace(
+        nvmlDeviceGetHandleByIndex=lambda index: lookups.append(index) or f"handle{index}",
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(free=3 * GiB, total=8 * GiB))
+    monkeypatch.setattr(memory, "_nvml", lambda: fake)
+    monkeypatch.setattr(memory, "_NVML_HANDLES", {})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert memory._nvml_free(1) == memory._nvml_free(1) == (3 * GiB, 8 * GiB)
+    assert lookups == [1]
+    monkeypatch.setattr(memory.os, "getpid", lambda: -1)
+    memory._nvml_free(1)
+    assert lookups == [1, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-6a1b")  # a UUID: no index to look up
+    assert memory._nvml_free(0) is None
+
+
 def test_log_decision(caplog):
     decision = choose_flatten_tier(M, 4, 3 * GiB + H, 1 << 50, H)
     memory = MemoryInfo("cuda:0", 4 * GiB, 80 * GiB, 100 * GiB, "nvml")

@@ -93,6 +93,8 @@ def host_available_bytes() -> int:
 # (pid, pynvml module or None): NVML initialised once per process. nvmlInit costs 0.1 s to over a second on
 # a multi-GPU host and every probe would pay it with an init/shutdown pair; a forked child initialises anew.
 _NVML: list[tuple[int, Any]] = []
+# NVML device handles by (pid, physical index): looked up once per process, not on every probe.
+_NVML_HANDLES: dict[tuple[int, int], Any] = {}
 
 
 def _nvml() -> Any:
@@ -118,7 +120,10 @@ def _nvml_free(index: int) -> tuple[int, int] | None:
     try:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = int(visible.split(",")[index]) if visible else index
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
+        handle = _NVML_HANDLES.get((os.getpid(), physical))
+        if handle is None:
+            handle = _NVML_HANDLES[(os.getpid(), physical)] = pynvml.nvmlDeviceGetHandleByIndex(physical)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
         return int(info.free), int(info.total)
     except Exception:
         return None

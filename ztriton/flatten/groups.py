@@ -190,7 +190,7 @@ def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robi
     first = members[0] if members else (params[0] if params else None)
     dtype = first.dtype if first is not None else torch.get_default_dtype()
     device = first.device if first is not None else torch.device("cpu")
-    layout = zero12_group_layout(numels, world_size, element_size=torch.empty((), dtype=dtype).element_size(),
+    layout = zero12_group_layout(numels, world_size, element_size=dtype.itemsize,
                                  trainable=trainable, round_robin=round_robin, parameter_alignment=parameter_alignment)
     ordered = [params[j] for j in layout.order]
     return Group(index, ordered, [p.shape for p in ordered], layout, dtype, device)
