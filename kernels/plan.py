@@ -570,19 +570,25 @@ WHILE_WARMING_PIECES = 4096
 
 def warm_up_in_flight(device: torch.device) -> bool:
     """Whether a background warm-up (another thread) is still loading the kernels on ``device``."""
-    thread = WARMING.get(device.index) if device.type == "cuda" else None
-    return thread is not None and thread is not threading.current_thread() and thread.is_alive()
+    thread = _warm_up_elsewhere(device)
+    return thread is not None and thread.is_alive()
 
 
 def _await_warm_up(device: torch.device) -> None:
     """Let a warm-up of ``device`` still loading the kernels finish rather than load them a second time
     beside it (Triton does not share a load in progress between threads)."""
-    thread = WARMING.get(device.index)
-    if thread is None or thread is threading.current_thread():
+    thread = _warm_up_elsewhere(device)
+    if thread is None:
         return
     if thread.is_alive():
         thread.join(timeout=_WARM_UP_WAIT_S)
     WARMING.pop(device.index, None)  # waited once, finished or not: later launches never wait again
+
+
+def _warm_up_elsewhere(device: torch.device) -> threading.Thread | None:
+    """The warm-up registered for ``device``, unless there is none or it is the calling thread itself."""
+    thread = WARMING.get(device.index) if device.type == "cuda" else None
+    return None if thread is None or thread is threading.current_thread() else thread
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
