@@ -102,10 +102,13 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - start
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    if not lines:
         return {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:], "wall_seconds": wall}
     result = json.loads(lines[-1][len("RESULT "):])
     result["wall_seconds"] = wall
+    if proc.returncode != 0:  # the step finished and printed its figures, then the process died at exit: keep both
+        result["exit_code"] = proc.returncode
+        result["exit_tail"] = (proc.stdout + proc.stderr)[-1500:]
     return result
 
 
@@ -116,7 +119,9 @@ def _median(runs: list[dict]) -> dict:
     if len(runs) == 1 or any("error" in r for r in runs):
         return runs[-1] if len(runs) == 1 else next(r for r in runs if "error" in r)
     keys = [k for k in runs[0] if k.endswith("_seconds")]
-    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs}
+    aborted = [r["exit_code"] for r in runs if "exit_code" in r]
+    return {**runs[0], **{k: statistics.median(r[k] for r in runs) for k in keys}, "runs": runs,
+            "processes_that_died_at_exit": len(aborted)}
 
 
 def main(argv=None) -> int:
@@ -150,6 +155,9 @@ def main(argv=None) -> int:
                     steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
                                       if k.endswith("_seconds") and k not in ("wall_seconds",))
                     print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
+                    if "exit_code" in result:
+                        print(f"[coldstart] {key}: the process died at exit (code {result['exit_code']}) after its "
+                              f"step finished:\n{result['exit_tail'][-400:]}", flush=True)
                 cells[key] = _median(runs)
     ratios = {}
     for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
