@@ -17,6 +17,7 @@ GPU memory on every rank. The caller names the device, or the thread is not star
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 
@@ -31,6 +32,9 @@ logger = logging.getLogger("ztriton")
 
 _lock = threading.Lock()
 _requested: set[int] = set()  # devices a warm-up was started for, once per process
+_threads: list[threading.Thread] = []  # every warm-up started, for the wait at exit
+# At exit, wait at most this long for a warm-up still loading (a cold compile takes seconds).
+_EXIT_WAIT_S = 60.0
 
 
 def warm_up(device: torch.device) -> None:
@@ -71,7 +75,22 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
                                   daemon=True)
         thread.start()  # may raise (no threads left): then nothing is registered and launches never wait
         WARMING[device.index] = thread  # launches on this device wait for it once (plan._await_warm_up)
+        if not _threads:
+            atexit.register(_finish_at_exit)
+        _threads.append(thread)
     return thread
+
+
+def _finish_at_exit() -> None:
+    """Let a warm-up still loading finish before the interpreter shuts down. A daemon thread caught inside
+    CUDA or Triton's C++ when Python finalises is unwound by force, and a C++ ``catch (...)`` on its way
+    aborts the process ("FATAL: exception not rethrown", exit code -6) after the user's script has finished:
+    a launcher such as torchrun would report the rank as failed. Seen once on an H200 in a fresh process
+    whose host was slow (bench/NOTES.md, session 4)."""
+    for thread in _threads:
+        if thread.is_alive():
+            logger.debug("ztriton: waiting for the kernel warm-up on %s to finish before exit", thread.name)
+            thread.join(timeout=_EXIT_WAIT_S)
 
 
 def _run(device: torch.device) -> None:

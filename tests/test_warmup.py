@@ -245,3 +245,39 @@ def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     thread.join(30)
     pack_plan(kernels, sources, offsets, tuning=Tuning(torch_pieces=0)).launch()
     assert torch.equal(bits(ours), bits(kernels))
+
+
+def test_exit_waits_for_a_warm_up_still_loading(monkeypatch):
+    """The interpreter's exit waits (bounded) for a warm-up thread still running, so that no daemon thread is
+    inside CUDA or Triton code when Python finalises; the wait is registered once, with the first thread."""
+    registered = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(warmup, "INTERPRETED", False)
+    monkeypatch.setattr(warmup, "_requested", set())
+    monkeypatch.setattr(warmup, "_threads", [])
+    monkeypatch.setattr(warmup.atexit, "register", registered.append)
+    gate, finished = threading.Event(), []
+
+    def loading(device):
+        gate.wait(5)
+        finished.append(device)
+
+    monkeypatch.setattr(warmup, "_run", loading)
+    from ztriton.kernels import plan
+
+    monkeypatch.setattr(plan, "WARMING", {})
+    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
+    first = warmup.warm_up_in_background(5)
+    warmup.warm_up_in_background(6)
+    assert registered == [warmup._finish_at_exit] and first.is_alive()
+    threading.Timer(0.2, gate.set).start()
+    warmup._finish_at_exit()  # returns only once both have finished
+    assert sorted(d.index for d in finished) == [5, 6]
+    monkeypatch.setattr(warmup, "_EXIT_WAIT_S", 0.01)
+    gate.clear()
+    stuck = threading.Thread(target=lambda: gate.wait(5), daemon=True)
+    stuck.start()
+    warmup._threads.append(stuck)
+    warmup._finish_at_exit()  # bounded: a thread that never ends does not hold the exit forever
+    assert stuck.is_alive()
+    gate.set()
