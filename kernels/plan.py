@@ -94,11 +94,16 @@ def as_sequence(name: str, value: object) -> Sequence:
     return value
 
 
+def _within_index_limit(values: np.ndarray) -> bool:
+    """Every value strictly between -2**62 and 2**62 (compared, not through abs: abs(-2**63) wraps to itself)."""
+    return not values.size or bool(((values > -_INDEX_LIMIT) & (values < _INDEX_LIMIT)).all())
+
+
 def _int64_column(values: list, name) -> np.ndarray:
     """``values`` (ints) as int64, or a ValueError naming the first one out of range (``name(i)``)."""
     try:
         column = np.array(values, dtype=np.int64)
-        if len(column) == 0 or (np.abs(column).max() < _INDEX_LIMIT):
+        if _within_index_limit(column):
             return column
     except OverflowError:
         pass
@@ -118,7 +123,7 @@ def _check_tensor(name: str, t: object) -> None:
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device and holds no values; materialise it first "
                          "(e.g. module.to_empty(device=...) and load its weights)")
-    if t.dtype.is_complex and (t.is_conj() or t.is_neg()):
+    if t.is_neg() or (t.dtype.is_complex and t.is_conj()):
         raise ValueError(f"{name} is a lazy conjugate (or negated) view whose memory holds other values; "
                          "pass tensor.resolve_conj().resolve_neg()")
 
@@ -191,13 +196,13 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
     devices = {s.device for s in srcs}
     if any(d.type == "meta" for d in devices) or (same_device and devices != {dst.device}):
         return None
-    if not all([s.is_contiguous() for s in srcs]):
+    if not all([s.is_contiguous() for s in srcs]) or any([s.is_neg() for s in srcs]):
         return None
     try:
         ranges = np.array((starts, counts, offsets), dtype=np.int64)
     except OverflowError:
         return None
-    if np.abs(ranges).max() >= _INDEX_LIMIT:
+    if not _within_index_limit(ranges):
         return None
     local = np.ones(len(srcs), dtype=bool) if devices == {dst.device} else \
         np.array([s.device == dst.device for s in srcs], dtype=bool)
@@ -221,7 +226,7 @@ def _gather_each(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool, 
         if src.dtype != dtype:
             raise TypeError(f"{what}[{i}] has dtype {src.dtype} but dst has dtype {dtype}; "
                             "kernels move bits and never convert: cast the source first")
-        if conj_possible:
+        if conj_possible or src.is_neg():  # a lazy negation (x.conj().imag): its memory holds -x
             _check_tensor(f"{what}[{i}]", src)
         src_device = src.device
         on_dst = src_device == device
@@ -811,7 +816,7 @@ def _plain_slices(slices: Sequence) -> np.ndarray | None:
         columns = np.array([s[1:] for s in slices], dtype=np.int64).reshape(-1, 3)
     except OverflowError:
         return None
-    return columns if not len(columns) or np.abs(columns).max() < _INDEX_LIMIT else None
+    return columns if _within_index_limit(columns) else None
 
 
 def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 
 import torch
 
@@ -87,10 +88,11 @@ def _finish_at_exit() -> None:
     aborts the process ("FATAL: exception not rethrown", exit code -6) after the user's script has finished:
     a launcher such as torchrun would report the rank as failed. Seen once on an H200 in a fresh process
     whose host was slow (bench/NOTES.md, session 4)."""
+    deadline = time.monotonic() + _EXIT_WAIT_S  # one bound for all of them, however many devices
     for thread in _threads:
         if thread.is_alive():
             logger.debug("ztriton: waiting for the kernel warm-up on %s to finish before exit", thread.name)
-            thread.join(timeout=_EXIT_WAIT_S)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _run(device: torch.device) -> None:

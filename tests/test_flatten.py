@@ -366,12 +366,16 @@ def test_every_kind_of_param_is_repointed_into_the_buffer():
               torch.nn.Parameter(torch.arange(30, dtype=torch.float32)[20:30])]
     assert params[3]._is_view()
     before = [p.detach().clone() for p in params]
-    ids = [id(p) for p in params]
+    ids, versions = [id(p) for p in params], [p._version for p in params]
+    loss = sum((p * p).sum() for p in params)  # a graph built before the flatten, as DeepSpeed allows
     (fg,) = ztriton.flatten_groups([params])
     storage = fg.flat.untyped_storage().data_ptr()
     for p, v, i, offset in zip(params, before, ids, fg.offsets):
         assert id(p) == i and p.shape == v.shape and p.is_contiguous() and torch.equal(p.detach(), v)
         assert p.untyped_storage().data_ptr() == storage and p.storage_offset() == fg.flat.storage_offset() + offset
+    assert [p._version for p in params] == versions  # re-pointed like `.data =`, not modified in place
+    loss.backward()
+    assert torch.equal(params[0].grad, 2 * before[0])
 
 
 def test_evicted_params_go_through_the_spill_pool(monkeypatch):

@@ -730,3 +730,27 @@ def test_reference_copy_of_a_source_that_requires_grad_is_not_recorded():
     torch_pack(dst, [param], [1])
     assert not dst.requires_grad and dst.grad_fn is None
     assert torch.equal(dst, torch.tensor([0.0, 0, 1, 2, 3, 4, 5, 0]))
+
+
+@pytest.mark.parametrize("impl", [pack, torch_pack])
+def test_lazily_negated_views_refused(impl):
+    """``c.conj().imag`` is a float view with the negative bit: its memory holds the other sign. Copying its
+    bits would write -x; both paths refuse it, naming the fix, and write nothing."""
+    c = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64, device=DEVICE)
+    negated = c.conj().imag
+    assert negated.is_neg() and negated.dtype == torch.float32
+    dst = poisoned(4, torch.float32)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="resolve_neg"):
+        impl(dst, [negated], [0])
+    assert torch.equal(bits(dst), bits(before))
+    impl(dst, [negated.resolve_neg()], [0])
+    assert torch.equal(dst[:2], torch.tensor([-2.0, -4.0], device=DEVICE))
+
+
+def test_int64_min_is_out_of_range_not_wrapped():
+    """-2**63 fits an int64 but abs() of it wraps to itself: the range checks compare both bounds."""
+    dst = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"slices\[0\] count.*out of range"):
+        plan_module.slices_to_pieces(dst, [(torch.arange(8.0), 0, -2**63, 0)])
+    assert plan_module._gather_common([(torch.arange(8.0), 0, -2**63, 0)], dst, True) is None

@@ -155,10 +155,12 @@ def probe_memory(device: torch.device | str) -> MemoryInfo:
 def _cached_bytes(index: int) -> int:
     """The caching allocator's reserved-but-unallocated bytes on a CUDA device. From one nested stats dict:
     memory_reserved and memory_allocated each flatten the whole dict first (~0.1 ms apiece per probe)."""
-    stats = torch.cuda.memory_stats_as_nested_dict(index)
-    if not stats:  # CUDA not initialised in this process: nothing reserved
-        return 0
-    return stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
+    stats = torch.cuda.memory_stats_as_nested_dict(index)  # {} where CUDA is not initialised: nothing reserved
+
+    def current(name: str) -> int:
+        return stats.get(name, {}).get("all", {}).get("current", 0)
+
+    return current("reserved_bytes") - current("allocated_bytes")
 
 
 def measure_peak(fn: Callable[[], Any]) -> tuple[Any, float, int]:

@@ -384,23 +384,16 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
 
 def _alias(g: Group, flat: torch.Tensor) -> None:
     """Each param's ``.data`` becomes its view of ``flat`` (DeepSpeed's ``_update_model_bit16_weights``)."""
-    base, storage, device = flat.storage_offset(), flat.untyped_storage(), flat.device
+    base = flat.storage_offset()
     strides: dict[torch.Size, tuple[int, ...]] = {}  # models repeat a few shapes
-    with torch.no_grad():
-        for p, shape, offset in zip(g.params, g.shapes, g.offsets):
-            stride = strides.get(shape)
-            if stride is None:
-                stride = strides[shape] = _contiguous_strides(shape)
-            # set_ in place: half the cost of `.data = view` per param, for thousands of them. The same
-            # storage, offset, shape and strides either way; `.data` where set_ cannot go (another device:
-            # a param evicted to host memory; a view, whose autograd view record set_ would keep).
-            if p.device == device and not p._is_view():
-                try:
-                    p.set_(storage, base + offset, shape, stride)
-                    continue
-                except RuntimeError:  # a tensor whose metadata may not change in place
-                    pass
-            p.data = flat.as_strided(shape, stride, base + offset)
+    for p, shape, offset in zip(g.params, g.shapes, g.offsets):
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = _contiguous_strides(shape)
+        # as_strided: one call per param instead of narrow + view (3x faster, for thousands of params).
+        # `.data =`, as DeepSpeed does: unlike set_ it leaves the version counter alone, so a graph built
+        # before the flatten still backpropagates. It runs while the pack's kernels copy.
+        p.data = flat.as_strided(shape, stride, base + offset)
     g.evicted.clear()
 
 
