@@ -9,8 +9,8 @@
 * :func:`pack_slices` -- ``(src, start, count, offset)`` slices into one buffer, zeros elsewhere.
 """
 from .ops import copy_chunk, pack, pack_plan, pack_slices
-from .plan import KERNELS_ONLY, Piece, Plan, Tuning, byte_extent, make_plan, run_plan, uncovered
+from .plan import KERNELS_ONLY, Piece, Plan, Tuning, byte_extent, byte_extents, make_plan, run_plan, uncovered
 from .reference import bits, torch_copy_chunk, torch_pack, torch_pack_slices, torch_run
 
-__all__ = ["KERNELS_ONLY", "Piece", "Plan", "Tuning", "bits", "byte_extent", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices",
+__all__ = ["KERNELS_ONLY", "Piece", "Plan", "Tuning", "bits", "byte_extent", "byte_extents", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices",
            "run_plan", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch_run", "uncovered"]

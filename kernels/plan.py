@@ -27,7 +27,7 @@ from triton.runtime.jit import JITFunction
 
 from .copy import DESC_HEAD, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
 
-__all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "check_dst",
+__all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "byte_extents", "check_dst",
            "KERNELS_ONLY", "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]
 
 _WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -141,6 +141,16 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
         return lo, lo + numel * t.element_size()
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
     return lo, lo + span * t.element_size()
+
+
+def byte_extents(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`byte_extent` of each tensor as two int64 arrays (first bytes, ends): one read per attribute
+    over all of them, and the walk over the dims only for the strided ones."""
+    lo = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    hi = lo + np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+    for k in [k for k, t in enumerate(tensors) if not t.is_contiguous()]:
+        hi[k] = byte_extent(tensors[k])[1]
+    return lo, hi
 
 
 def check_dst(dst: torch.Tensor) -> None:

@@ -754,3 +754,13 @@ def test_int64_min_is_out_of_range_not_wrapped():
     with pytest.raises(ValueError, match=r"slices\[0\] count.*out of range"):
         plan_module.slices_to_pieces(dst, [(torch.arange(8.0), 0, -2**63, 0)])
     assert plan_module._gather_common([(torch.arange(8.0), 0, -2**63, 0)], dst, True) is None
+
+
+def test_byte_extents_is_byte_extent_of_each():
+    """The batched extents equal the one-at-a-time ones for contiguous, strided, transposed, offset, expanded
+    and empty views."""
+    base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    views = [base, base[2:5], base[:, ::2], base.t(), base[3, 1:], base[:0], base[0:1, 0:1].expand(4, 4),
+             base.reshape(-1)[7:19]]
+    lo, hi = plan_module.byte_extents(views)
+    assert [(int(a), int(b)) for a, b in zip(lo, hi)] == [plan_module.byte_extent(v) for v in views]

@@ -34,7 +34,7 @@ import torch
 from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, min_over_ranks, world_of
 from ztriton.flatten.tiers import TIERS, Group, Run
-from ztriton.kernels import byte_extent
+from ztriton.kernels import byte_extents
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
 from ztriton.memory import format_bytes
 from ztriton.policy import FlattenDecision, Options, Tier
@@ -233,44 +233,33 @@ def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]
     fine, as in DeepSpeed: params whose byte extents overlap are compared element by element (as sets
     of strided runs), which costs something only for such clusters.
     """
-    if _no_extents_overlap(groups, lists):
-        return
-    extents = []
-    for g, params in zip(groups, lists):
-        device = str(g.device)  # one device per group, checked by _prepare
-        for j in g.layout.order:
-            lo, hi = byte_extent(params[j])
-            extents.append((device, lo, hi, g.index, j))
-    extents.sort()
-    cluster: list[tuple] = []
-    for extent in extents + [(None, 0, 0, -1, -1)]:
-        if cluster and extent[0] == cluster[0][0] and extent[1] < max(e[2] for e in cluster):
-            cluster.append(extent)
-            continue
-        if len(cluster) > 1:
-            _check_cluster(cluster, lists)
-        cluster = [extent]
+    by_device: dict[str, list[Group]] = {}  # one device per group, checked by _prepare
+    for g in groups:
+        by_device.setdefault(str(g.device), []).append(g)
+    for device in sorted(by_device):
+        on_device = by_device[device]
+        group_of = np.concatenate([np.full(len(g.layout.order), g.index, dtype=np.int64) for g in on_device])
+        index_in = np.concatenate([np.asarray(g.layout.order, dtype=np.int64) for g in on_device])
+        begins, ends = byte_extents([lists[g.index][j] for g in on_device for j in g.layout.order])
+        for cluster in _overlapping(begins, ends, group_of, index_in):
+            _check_cluster([(int(group_of[k]), int(index_in[k])) for k in cluster], lists)
 
 
-def _no_extents_overlap(groups: list[Group], lists: list[list[torch.Tensor]]) -> bool:
-    """The common case in a few vectorised steps: all groups on one device and no two participating params'
-    byte extents overlapping (then no element is shared). False means: look closer, param by param."""
-    if len({g.device for g in groups}) > 1:
-        return False
-    params = [params[j] for g, params in zip(groups, lists) for j in g.layout.order]
-    if not all([p.is_contiguous() for p in params]):
-        return False
-    lo = np.array([p.data_ptr() for p in params], dtype=np.int64)
-    hi = lo + np.array([p.numel() * p.element_size() for p in params], dtype=np.int64)
-    keep = hi > lo  # empty params hold no memory (and do not take part anyway)
-    lo, hi = lo[keep], hi[keep]
-    order = np.argsort(lo, kind="stable")
-    return not bool((lo[order][1:] < np.maximum.accumulate(hi[order])[:-1]).any())
+def _overlapping(begins: np.ndarray, ends: np.ndarray, *ties: np.ndarray) -> list[np.ndarray]:
+    """The clusters of ranges ``[begins, ends)`` that overlap transitively, two or more ranges each, as
+    index arrays in order of begin (then end, then ``ties``). Vectorised: thousands of params and no
+    cluster is the common case."""
+    if not len(begins):
+        return []
+    order = np.lexsort((*reversed(ties), ends, begins))
+    reach = np.maximum.accumulate(ends[order])
+    cluster_of = np.cumsum(np.concatenate([[True], begins[order][1:] >= reach[:-1]]))  # a new one where none reaches
+    return [order[cluster_of == c] for c in np.flatnonzero(np.bincount(cluster_of) > 1)]
 
 
-def _check_cluster(cluster: list[tuple], lists: list[list[torch.Tensor]]) -> None:
-    """Params whose byte extents overlap: raise for the first two that share an element."""
-    runs = [_runs(lists[i][j]) for _, _, _, i, j in cluster]
+def _check_cluster(cluster: list[tuple[int, int]], lists: list[list[torch.Tensor]]) -> None:
+    """Params (group, index) whose byte extents overlap: raise for the first two that share an element."""
+    runs = [_runs(lists[i][j]) for i, j in cluster]
     begins = np.concatenate([r[0] for r in runs])
     ends = np.concatenate([r[1] for r in runs])
     owner = np.concatenate([np.full(len(r[0]), k) for k, r in enumerate(runs)])
@@ -282,7 +271,7 @@ def _check_cluster(cluster: list[tuple], lists: list[list[torch.Tensor]]) -> Non
         return
     k = int(hits[0]) + 1
     first = int(owner[int(np.argmax(ends[:k] > begins[k]))])
-    a, b = sorted((cluster[first][3:], cluster[int(owner[k])][3:]))
+    a, b = sorted((cluster[first], cluster[int(owner[k])]))
     same = lists[a[0]][a[1]] is lists[b[0]][b[1]]
     what = "are the same tensor (listed twice)" if same else "share memory (tied weights, or overlapping views)"
     raise ValueError(f"param_groups[{a[0]}] params[{a[1]}] and param_groups[{b[0]}] params[{b[1]}] {what}; each "
