@@ -120,6 +120,7 @@ def init_post_init_method(original, self, module):
 
 
 def _post_init(self, module: torch.nn.Module) -> None:
+    """The module's end, with the recorder (if any) paused: its own ops are the integration's, not the model's."""
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as counters
 
     sharded = _take_placeholders(self, module)
@@ -140,9 +141,8 @@ def _take_placeholders(init, module: torch.nn.Module) -> list[tuple[str, torch.n
     recorder = _RECORDERS.get(init)
     if recorder is None or not recorder.records():
         return []
-    with recorder.paused():
-        taken = recorder.take_parameters(module)
-        recorder.take_tensors(module)
+    taken = recorder.take_parameters(module)  # the recorder is paused here (init_post_init_method)
+    recorder.take_tensors(module)
     sharded = []
     for name, param, record in taken:
         if record is not None:
@@ -175,8 +175,7 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
         for name, param, record in items:
             data = _replayed_partition(record, world.size, world.rank, home, target, init)
             if data.dtype != param.dtype:  # DeepSpeed's param ends in its partition's dtype too
-                with recorder.paused():
-                    param.data = _VF.empty((1,), dtype=data.dtype, device=param.device).expand(param.shape)
+                param.data = _VF.empty((1,), dtype=data.dtype, device=param.device).expand(param.shape)
             partitions.append(Partition(name, param, data, zero3_slice(record.numel, world.size).aligned_numel))
             nbytes += record.numel * data.element_size()
         result = Partitioned({}, [n for n, _, _ in items], world.size, world.rank, Transfer.LOCAL, 0,
