@@ -35,6 +35,24 @@ def started(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def fresh_warm_ups(monkeypatch):
+    """CUDA faked as available and kernels that compile, with empty warm-up registries (shared by the
+    launches and the warm-up, as in the library) and the exit wait recorded instead of registered: nothing a
+    test starts leaks into the process. Returns the callbacks registered for the exit."""
+    from ztriton.kernels import plan
+
+    registered = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(warmup, "INTERPRETED", False)
+    monkeypatch.setattr(warmup, "_requested", set())
+    monkeypatch.setattr(warmup, "_threads", [])
+    monkeypatch.setattr(warmup.atexit, "register", registered.append)
+    monkeypatch.setattr(plan, "WARMING", {})
+    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
+    return registered
+
+
 @pytest.mark.parametrize("count, local_rank, initialised, expected", [
     (8, "3", False, [3]),      # DeepSpeed's launcher: the rank's own GPU
     (1, None, False, [0]),     # the only GPU
@@ -85,16 +103,11 @@ def test_nothing_to_warm_without_cuda(monkeypatch):
     assert warmup.warm_up_in_background("cpu") is None
 
 
-def test_a_thread_that_cannot_start_registers_nothing(monkeypatch):
+def test_a_thread_that_cannot_start_registers_nothing(monkeypatch, fresh_warm_ups):
     """No threads left: the error reaches the caller (the integration logs it), nothing is registered, and
     later launches on the device do not wait for a thread that never ran."""
     from ztriton.kernels import plan
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(warmup, "INTERPRETED", False)
-    monkeypatch.setattr(warmup, "_requested", set())
-    monkeypatch.setattr(plan, "WARMING", {})
-    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
 
     def no_threads(self):
         raise RuntimeError("can't start new thread")
@@ -165,7 +178,7 @@ def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
     assert not plan.warm_up_in_flight(cuda2)
 
 
-def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
+def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch, fresh_warm_ups):
     """A second request for the same device gets the first thread; an error in the thread is swallowed
     (the first real launch then loads the kernel itself)."""
     ran = []
@@ -176,11 +189,7 @@ def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch):
         gate.wait(5)
         raise RuntimeError("no driver")
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(warmup, "INTERPRETED", False)
     monkeypatch.setattr(warmup, "warm_up", failing)
-    monkeypatch.setattr(warmup, "WARMING", {})
-    monkeypatch.setattr(warmup, "_requested", set())
     first = warmup.warm_up_in_background(7)
     second = warmup.warm_up_in_background(torch.device("cuda", 7))
     assert first is second
@@ -247,15 +256,10 @@ def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     assert torch.equal(bits(ours), bits(kernels))
 
 
-def test_exit_waits_for_a_warm_up_still_loading(monkeypatch):
+def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):
     """The interpreter's exit waits (bounded) for a warm-up thread still running, so that no daemon thread is
     inside CUDA or Triton code when Python finalises; the wait is registered once, with the first thread."""
-    registered = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(warmup, "INTERPRETED", False)
-    monkeypatch.setattr(warmup, "_requested", set())
-    monkeypatch.setattr(warmup, "_threads", [])
-    monkeypatch.setattr(warmup.atexit, "register", registered.append)
+    registered = fresh_warm_ups
     gate, finished = threading.Event(), []
 
     def loading(device):
@@ -263,10 +267,6 @@ def test_exit_waits_for_a_warm_up_still_loading(monkeypatch):
         finished.append(device)
 
     monkeypatch.setattr(warmup, "_run", loading)
-    from ztriton.kernels import plan
-
-    monkeypatch.setattr(plan, "WARMING", {})
-    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
     first = warmup.warm_up_in_background(5)
     warmup.warm_up_in_background(6)
     assert registered == [warmup._finish_at_exit] and first.is_alive()
