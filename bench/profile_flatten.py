@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench.harness import cpu_fallback, kernel_launches_skipped
+    from bench.harness import cpu_fallback, kernel_launches_skipped, sync
 
     cuda = not cpu_fallback(threads=1)
     import ztriton
@@ -41,10 +41,6 @@ def main(argv=None) -> int:
 
     device = "cuda" if cuda else "cpu"
     shapes = llm_mix() if cuda else [[max(1, d // 16) for d in s] for s in llm_mix()]
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
 
     def params():
         made = [torch.nn.Parameter(torch.empty(*s, dtype=torch.bfloat16, device=device)) for s in shapes]
