@@ -32,13 +32,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+# Backends a cell can run: key off, key on, and key on without the background kernel warm-up (an experiment:
+# does the warm-up thread slow the main thread of a warm-cache process? bench/NOTES.md, session 4).
+BACKENDS = ("torch", "triton", "triton-nowarmup")
+
+
 def _config(backend: str, stage: int) -> dict:
     zero = {"stage": stage}
     if stage == 2:
         zero["round_robin_gradients"] = True
     config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
               "zero_optimization": zero, "bf16": {"enabled": True}}
-    if backend == "triton":
+    if backend.startswith("triton"):
         config["partition_backend"] = "triton"
     return config
 
@@ -51,6 +56,10 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dic
     cpu_fallback()
     import ztriton  # noqa: F401
     import deepspeed
+    if backend == "triton-nowarmup":
+        from ztriton.integrations.deepspeed import config as key_config
+
+        key_config.start_kernel_warm_up = lambda: None  # the key's config hook calls it by this module name
     from bench.models import LLMMix, llm_mix
     from ztriton.testing import simulated_world
 
@@ -134,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warm-repeats", type=int, default=1,
                         help="warm processes per step and backend; each warm figure is their median")
     parser.add_argument("--steps", nargs="+", default=["zero2", "zero3"], choices=["zero2", "zero3"])
+    parser.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=BACKENDS)
     args = parser.parse_args(argv)
     if args.cell:
         print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke)), flush=True)
@@ -141,7 +151,7 @@ def main(argv=None) -> int:
 
     cells: dict[str, dict] = {}
     for step in args.steps:
-        for backend in ("torch", "triton"):
+        for backend in args.backends:
             cache = tempfile.mkdtemp(prefix=f"triton_cache_{step}_{backend}_")
             for temperature, repeats in (("cold", 1), ("warm", args.warm_repeats)):
                 key = f"{step}/{backend}/{temperature}"
@@ -162,13 +172,17 @@ def main(argv=None) -> int:
     ratios = {}
     for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
         for temperature in ("cold", "warm"):
-            off, on = cells.get(f"{step}/torch/{temperature}", {}), cells.get(f"{step}/triton/{temperature}", {})
-            if not off or not on or "error" in off or "error" in on:
-                continue
-            total_off = sum(off[f] for f in fields)
-            total_on = sum(on[f] for f in fields)
-            ratios[f"{step}/{temperature}"] = {"key_off_seconds": total_off, "key_on_seconds": total_on,
-                                               "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off}
+            off = cells.get(f"{step}/torch/{temperature}", {})
+            for backend in args.backends[1:] if args.backends[0] == "torch" else ():
+                on = cells.get(f"{step}/{backend}/{temperature}", {})
+                if not off or not on or "error" in off or "error" in on:
+                    continue
+                total_off = sum(off[f] for f in fields)
+                total_on = sum(on[f] for f in fields)
+                suffix = "" if backend == "triton" else f"/{backend}"
+                ratios[f"{step}/{temperature}{suffix}"] = {
+                    "key_off_seconds": total_off, "key_on_seconds": total_on,
+                    "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off}
     print(json.dumps(ratios, indent=1), flush=True)
     from bench.harness import write_result
 
