@@ -155,3 +155,41 @@ def test_copy_staged_copies_chunk_by_chunk_and_returns_the_buffers(monkeypatch):
     with pytest.raises(ValueError, match="contiguous"):
         staging.copy_staged(dst[::2], src[::2])
     staging.release()
+
+
+def test_exit_cancels_idle_timers_and_waits_for_one_freeing(monkeypatch):
+    """At interpreter exit no idle timer may still run: a daemon thread stopped inside CUDA during the
+    interpreter's finalisation can abort the process after the user's script has finished."""
+    waiting = StagingRing(64, count=1, idle_s=3600)  # armed, far from firing
+    waiting.release(waiting.acquire())
+    freeing = StagingRing(64, count=1, idle_s=0.01)
+    started, finished = threading.Event(), threading.Event()
+    free = StagingRing.free
+
+    def slow_free(self):
+        started.set()
+        time.sleep(0.3)
+        free(self)
+        finished.set()
+
+    monkeypatch.setattr(StagingRing, "free", slow_free)
+    freeing.release(freeing.acquire())
+    assert started.wait(5)  # the short timer is inside its callback now
+    begin = time.monotonic()
+    staging._stop_timers_at_exit()
+    assert finished.is_set()  # waited for the one freeing memory
+    assert not waiting._timer.is_alive()  # the long one was cancelled, not waited out
+    assert time.monotonic() - begin < 5
+    assert waiting.allocated_bytes == 64  # cancelling frees nothing: the process drops its memory at exit
+
+
+def test_exit_stops_the_spill_pools_timer():
+    pool = staging.SpillPool(pin=False, idle_s=3600)
+    loan = pool.lend(16)
+    del loan
+    timer = pool._timer
+    assert timer is not None and timer.is_alive()
+    staging._stop_timers_at_exit()
+    timer.join(1)
+    assert not timer.is_alive()
+    pool.free()

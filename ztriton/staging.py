@@ -21,6 +21,7 @@ lent again. This module knows nothing of what is staged: buffers are flat ``uint
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -45,6 +46,11 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 # Seconds a ring may sit unused before its memory is freed: long enough to survive the gap between
 # two loads of one start-up, short enough not to hold gigabytes of pinned memory through training.
 DEFAULT_IDLE_S = 30.0
+
+# Every idle timer armed (rings and the spill pool), for the interpreter's exit to stop.
+_TIMERS: "weakref.WeakSet[threading.Timer]" = weakref.WeakSet()
+# At exit, wait at most this long for a timer already freeing (unregistering pinned memory takes milliseconds).
+_EXIT_WAIT_S = 10.0
 
 
 class StagingRing:
@@ -153,7 +159,9 @@ class StagingRing:
             return
         timer = threading.Timer(self.idle_s, self._free_if_idle)
         timer.args = (timer,)
+        timer.name = "ztriton-staging-idle"
         timer.daemon = True
+        _TIMERS.add(timer)
         self._timer = timer
         timer.start()
 
@@ -502,7 +510,9 @@ class SpillPool:
             return
         timer = threading.Timer(self.idle_s if delay is None else delay, self._free_idle)
         timer.args = (timer,)
+        timer.name = "ztriton-staging-idle"
         timer.daemon = True
+        _TIMERS.add(timer)
         self._timer = timer
         timer.start()
 
@@ -541,6 +551,24 @@ def _start_afresh_in_forked_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_start_afresh_in_forked_child)
+
+
+def _stop_timers_at_exit() -> None:
+    """At interpreter exit: cancel the idle timers, and wait for one already freeing memory. The timers are
+    daemon threads; one still inside CUDA (``cudaHostUnregister``, an event's wait) when the interpreter
+    finalises is stopped where it stands, and a thread stopped inside C++ code can abort the whole process
+    ("FATAL: exception not rethrown") after the user's script has finished. The memory itself is the
+    process's to drop at exit. A cancelled timer that has not fired ends at once."""
+    timers = [t for t in list(_TIMERS) if t is not threading.current_thread()]
+    for timer in timers:
+        timer.cancel()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for timer in timers:
+        if timer.is_alive():
+            timer.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_timers_at_exit)
 
 
 def spill_pool() -> SpillPool:
