@@ -570,6 +570,8 @@ class Plan:
             _await_warm_up(self.stream.device)
         for kernel, grid, args, kwargs in self.launches:
             kernel[grid](*args, **kwargs)
+        if self.launches and self.stream is not None:
+            LOADED.add(self.stream.device.index)
 
 
 # Background warm-ups in flight, by CUDA device index (kernels/warmup.py registers them here).
@@ -577,16 +579,22 @@ WARMING: dict[int, threading.Thread] = {}
 # A launch waits at most this long for one (a cold compile takes seconds); then it loads the kernel itself.
 _WARM_UP_WAIT_S = 120.0
 
+# CUDA devices on which a kernel launch has returned in this process: the first launch there paid the
+# kernels' load (Triton's cache key, the cubin, the launcher: ~0.5 s on an H200 with Triton's cache warm,
+# seconds with it cold), later ones do not.
+LOADED: set[int] = set()
 
-# While one is in flight, contiguous pieces up to this many go through torch's copy_ (~8 us of host time
-# each: 4096 of them cost ~30 ms, less than the load they avoid waiting for).
-WHILE_WARMING_PIECES = 4096
+# Until the kernels are loaded on a device (by the background warm-up, or by a first job that needs them),
+# contiguous pieces on it up to this many go through torch's copy_ (~8 us of host time each: 4096 of them
+# cost ~30 ms, far less than the load they avoid). A process whose jobs all fit (a dense model's or a fused
+# MoE's flatten and defragment: hundreds of params) never loads the kernels at all.
+BEFORE_LOAD_PIECES = 4096
 
 
-def warm_up_in_flight(device: torch.device) -> bool:
-    """Whether a background warm-up (another thread) is still loading the kernels on ``device``."""
-    thread = _warm_up_elsewhere(device)
-    return thread is not None and thread.is_alive()
+def kernels_loaded(device: torch.device) -> bool:
+    """Whether a kernel launch on ``device`` has already paid the kernels' load (always, off CUDA: the
+    interpreter loads nothing)."""
+    return device.type != "cuda" or device.index in LOADED
 
 
 def _await_warm_up(device: torch.device) -> None:
@@ -728,16 +736,16 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) -> bool:
     """Contiguous pieces that torch's copy_ moves without a kernel launch: a few of them (``Tuning.torch_pieces``;
-    0 always launches the kernels), or up to ``WHILE_WARMING_PIECES`` pieces on dst's device while a background
-    warm-up is still loading the kernel on this device: a copy_ per piece costs microseconds, waiting for the load a
-    fraction of a second (warm Triton cache) to seconds (cold)."""
+    0 always launches the kernels), or up to ``BEFORE_LOAD_PIECES`` pieces on dst's device while no kernel has been
+    loaded there: a copy_ per piece costs microseconds, the kernels' first load a fraction of a second (warm Triton
+    cache) to seconds (cold), whether this thread pays it or waits for a background warm-up."""
     moving = srcs.count > 0
     if tuning.torch_pieces <= 0 or not bool(srcs.contiguous[moving].all()):
         return False
     count = int(moving.sum())
-    # While warming, only pieces already on the device: a copy_ from host memory blocks the host per piece.
-    return count <= tuning.torch_pieces or (count <= WHILE_WARMING_PIECES and bool(srcs.local[moving].all())
-                                            and warm_up_in_flight(device))
+    # Before the load, only pieces already on the device: a copy_ from host memory blocks the host per piece.
+    return count <= tuning.torch_pieces or (count <= BEFORE_LOAD_PIECES and bool(srcs.local[moving].all())
+                                            and not kernels_loaded(device))
 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,

@@ -7,9 +7,9 @@ start): about 0.5 s with a warm cache, inside the user's ``deepspeed.initialize`
 hashing and file reads, which release the GIL, so a thread started when a caller first learns that
 the kernels will be needed (a DeepSpeed config with the key) overlaps it with whatever the process
 does next. The thread runs one tiny real copy through the same planning as every launch, so it loads
-exactly the variant real copies use: 16-byte words, the class of every 16-byte aligned param. While the
-thread runs, copies of contiguous pieces on its device go through torch's ``copy_`` instead (a few
-microseconds a piece, no waiting: ``plan.warm_up_in_flight``); a launch that needs the kernel (strided
+exactly the variant real copies use: 16-byte words, the class of every 16-byte aligned param. Until a
+kernel is loaded on a device, copies of contiguous pieces on it go through torch's ``copy_`` instead (a few
+microseconds a piece, no waiting: ``plan.BEFORE_LOAD_PIECES``); a launch that needs the kernel (strided
 sources, thousands of pieces) waits for the thread instead of loading the kernel twice.
 
 The thread never picks a device on its own: creating a CUDA context on the wrong GPU would cost that

@@ -38,6 +38,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_loaded():
+    """On a GPU, load the kernels once before any test: until a kernel is loaded on a device, jobs of up to
+    ``plan.BEFORE_LOAD_PIECES`` contiguous pieces take torch's copy_, and which tests ran first would decide
+    whether the others test the kernels at all. Tests of the unloaded state set ``plan.LOADED`` themselves."""
+    if HAS_CUDA:
+        from ztriton.kernels.warmup import warm_up
+
+        warm_up(torch.device("cuda", torch.cuda.current_device()))
+    yield
+
+
 @pytest.fixture(scope="session")
 def fake_world():
     """Factory of simulated ranks: ``with fake_world(world_size, rank):`` (see ``worlds.fake_world``)."""

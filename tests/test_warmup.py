@@ -7,6 +7,7 @@ exact variant a real 16-byte-aligned pack uses, so that pack compiles nothing mo
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import numpy as np
@@ -142,16 +143,13 @@ def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
     assert joined == [0.05]
 
 
-def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
-    """While another thread loads the kernel on a device, contiguous pieces on it (up to WHILE_WARMING_PIECES)
-    go through torch's copy_ rather than wait; strided ones, host ones, KERNELS_ONLY and other devices do not; once
-    the thread has ended the usual limit holds again."""
+def test_until_a_kernel_is_loaded_contiguous_pieces_take_torch_copies(monkeypatch):
+    """Until a kernel launch has returned on a device (a warm-up in flight or none started), contiguous pieces on
+    it (up to BEFORE_LOAD_PIECES) go through torch's copy_ rather than pay or wait for the load; strided ones, host
+    ones and KERNELS_ONLY do not; once loaded there, the usual limit holds again, on that device only."""
     from ztriton.kernels import Tuning, plan
 
-    gate = threading.Event()
-    thread = threading.Thread(target=lambda: gate.wait(5), daemon=True)
-    thread.start()
-    monkeypatch.setattr(plan, "WARMING", {2: thread})
+    monkeypatch.setattr(plan, "LOADED", {3})
     many = plan._Sources  # built the way validate builds them, without a device
     n = Tuning().torch_pieces + 1
 
@@ -161,21 +159,53 @@ def test_while_a_warm_up_runs_contiguous_pieces_take_torch_copies(monkeypatch):
                     contiguous=np.full(count, contiguous), local=np.full(count, local))
 
     cuda2, cuda3 = torch.device("cuda", 2), torch.device("cuda", 3)
-    assert plan.warm_up_in_flight(cuda2) and not plan.warm_up_in_flight(cuda3)
-    assert not plan.warm_up_in_flight(torch.device("cpu"))
+    assert not plan.kernels_loaded(cuda2) and plan.kernels_loaded(cuda3)
+    assert plan.kernels_loaded(torch.device("cpu"))  # the interpreter loads nothing
     assert plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
-    assert plan._torch_copies_suffice(sources(plan.WHILE_WARMING_PIECES), Tuning(), cuda2)
-    assert not plan._torch_copies_suffice(sources(plan.WHILE_WARMING_PIECES + 1), Tuning(), cuda2)
+    assert plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES), Tuning(), cuda2)
+    assert not plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES + 1), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda3)
     assert not plan._torch_copies_suffice(sources(n, contiguous=False), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(n, local=False), Tuning(), cuda2)  # host sources: blocking copies
     assert not plan._torch_copies_suffice(sources(2), plan.KERNELS_ONLY, cuda2)
-    gate.set()
-    thread.join(5)
-    assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
-    assert plan._torch_copies_suffice(sources(n - 1), Tuning(), cuda2)
+    assert plan._torch_copies_suffice(sources(n - 1), Tuning(), cuda3)
+    assert not plan._torch_copies_suffice(sources(n), Tuning(), torch.device("cpu"))
+
+
+def test_a_kernel_launch_marks_its_device_loaded(monkeypatch):
+    """The launch that loaded the kernels marks the device; torch copies and the interpreter's launches mark nothing."""
+    from ztriton.kernels import plan
+
+    monkeypatch.setattr(plan, "LOADED", set())
+    monkeypatch.setattr(plan, "_await_warm_up", lambda device: None)
+    launched = []
+    fake_stream = types.SimpleNamespace(device=torch.device("cuda", 5))
+    copies_only = plan.Plan([], [], [], fake_stream, copies=[], fills=[])
+    copies_only._launch_all()
+    assert plan.LOADED == set()
+    with_kernel = plan.Plan([(_Launcher(launched), (1,), (), {})], [], [], fake_stream)
+    with_kernel._launch_all()
+    assert launched == [(1,)] and plan.LOADED == {5}
+    interpreted = plan.Plan([(_Launcher(launched), (2,), (), {})], [], [], None)
+    interpreted._launch_all()
+    assert plan.LOADED == {5}
+
+
+class _Launcher:
+    """Stands for a jit kernel: ``kernel[grid](*args)`` records the grid."""
+
+    def __init__(self, launched):
+        self.launched = launched
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(grid)
+
+
+def test_the_warm_up_thread_is_not_its_own_warm_up(monkeypatch):
+    from ztriton.kernels import plan
+
     monkeypatch.setattr(plan, "WARMING", {2: threading.current_thread()})  # the warm-up's own launch
-    assert not plan.warm_up_in_flight(cuda2)
+    assert plan._warm_up_elsewhere(torch.device("cuda", 2)) is None
 
 
 def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch, fresh_warm_ups):
@@ -231,6 +261,46 @@ def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
+GPU_UNLOADED = """
+import torch
+from ztriton.kernels import pack_plan, plan
+from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
+device = torch.device("cuda", 0)
+sources = [torch.randn(1000 + i, device=device).to(torch.bfloat16) for i in range(600)]
+offsets, at = [], 0
+for s in sources:
+    offsets.append(at)
+    at += s.numel() + 8
+flat = torch.full((at,), float("nan"), dtype=torch.bfloat16, device=device)
+job = pack_plan(flat, sources, offsets)
+assert job.copies and not job.launches, "600 contiguous pieces before any load: torch copies"
+job.launch()
+for s, o in zip(sources, offsets):
+    assert torch.equal(flat[o:o + s.numel()].view(torch.int16), s.view(torch.int16))
+    assert torch.equal(flat[o + s.numel():o + s.numel() + 8].view(torch.int16), torch.zeros(8, dtype=torch.int16, device=device))
+assert len(_copy_words_kernel.device_caches[0][0]) == 0 and plan.LOADED == set(), "nothing loaded"
+square = torch.randn(64, 64, device=device).to(torch.bfloat16)
+out = torch.empty(64 * 64, dtype=torch.bfloat16, device=device)
+pack_plan(out, [square.t()], [0]).launch()  # a strided source needs the kernel: it loads now
+assert torch.equal(out.view(64, 64), square.t().contiguous())
+assert plan.LOADED == {0} and len(_gather_tile_kernel.device_caches[0][0]) == 1
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_fresh_process_takes_torch_copies_until_a_job_needs_the_kernel():
+    """No warm-up and no kernel loaded: a 600-piece pack goes through torch's copy_ and loads nothing (a dense
+    model's flatten never pays the load); a strided source then loads the kernel and marks the device."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", GPU_UNLOADED], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
 @pytest.mark.gpu
 def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     """A 40-piece pack while a warm-up is (made to look) in flight: torch's copies, no launch, no wait,
@@ -242,6 +312,7 @@ def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     thread.start()
     device = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setattr(plan, "WARMING", {device.index: thread})
+    monkeypatch.setattr(plan, "LOADED", set())  # the suite loaded the kernels first (conftest)
     sources = [torch.randn(37 + i, device=device).to(torch.bfloat16) for i in range(40)]
     offsets = np.cumsum([0] + [s.numel() + 3 for s in sources[:-1]]).tolist()
     end = offsets[-1] + sources[-1].numel() + 5
