@@ -260,9 +260,12 @@ def _cast_like_deepspeed(named: list[tuple[str, torch.nn.Parameter]], world_size
     partition in the context's dtype and ``copy_`` converts this rank's slice. Do the same, slice by
     slice on the local device (a whole-tensor cast can give other NaN payload bits: the CPU's cast
     treats an element by where it falls in the vectorised loop); outside a context nothing changes."""
+    targets: dict[torch.dtype, torch.dtype] = {}  # what the patched torch.empty makes of each dtype, asked once
     for _, param in named:
         if param.is_floating_point():
-            target = torch.empty(0, dtype=param.dtype, device="cpu").dtype
+            if param.dtype not in targets:
+                targets[param.dtype] = torch.empty(0, dtype=param.dtype, device="cpu").dtype
+            target = targets[param.dtype]
             if target != param.dtype:
                 param.data = _cast_per_slice(param.data.to(local), target, world_size)
 
