@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--torch-profiler", action="store_true",
                         help="also run each backend under torch.profiler (CPU and CUDA activity) and print its top ops")
+    parser.add_argument("--no-profile", action="store_true", help="only the medians: skip the cProfile repeats")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the CUDA cache before each run, as the demo does (every allocation a cudaMalloc)")
     args = parser.parse_args(argv)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
                 print(f"[profile_demo]   {backend}: {counts[-1][0]} tensor allocations, {counts[-1][1]} cudaMalloc "
                       "segments per run", flush=True)
             counts.clear()
-        for backend in ("triton", "torch"):
+        for backend in () if args.no_profile else ("triton", "torch"):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.repeats):

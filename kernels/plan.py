@@ -541,6 +541,7 @@ class Plan:
     stream: Any = None
     copies: list = field(default_factory=list)  # (out, src) views for torch's copy_ (Tuning.torch_pieces)
     fills: list = field(default_factory=list)  # views of dst for torch's zero_
+    inference: bool = False  # dst is an inference tensor: the copies and fills run in inference mode
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
@@ -561,7 +562,9 @@ class Plan:
 
     def _launch_all(self) -> None:
         if self.copies or self.fills:
-            with torch.inference_mode():  # an inference tensor as dst is written as the kernels would write it
+            # An inference tensor as dst is written as the kernels would write it: only inside inference mode
+            # (entering it costs tens of microseconds, a small zero.Init partition's copy a few).
+            with torch.inference_mode() if self.inference else nullcontext():
                 for out, src in self.copies:
                     out.copy_(src)
                 for out in self.fills:
@@ -762,7 +765,7 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                _bytes(pieces[i][0]).narrow(0, int(srcs.start[i]) * width, int(srcs.count[i]) * width))
               for i in np.flatnonzero(srcs.count > 0).tolist()]
     fills = [out.narrow(0, int(offset) * width, int(count) * width) for offset, count in zeros.tolist() if count > 0]
-    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills)
+    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills, dst.is_inference())
 
 
 def _launch_stream(dst: torch.Tensor):

@@ -244,6 +244,25 @@ def test_probe_counts_the_allocators_idle_cache_as_free():
     assert memory._cached_bytes(torch.cuda.current_device()) == torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
+@pytest.mark.gpu
+def test_measure_peak_reports_the_peak_above_the_start():
+    """The peak figure is what max_memory_allocated - memory_allocated gives: a 64 MiB buffer held at the
+    start does not count, a 32 MiB temporary made and freed inside the call does."""
+    import torch
+
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def work():
+        temporary = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+        del temporary
+        return torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+
+    out, seconds, peak = memory.measure_peak(work)
+    assert out.numel() == 8 << 20 and seconds > 0
+    assert peak == 32 << 20 == torch.cuda.max_memory_allocated() - (torch.cuda.memory_allocated() - (8 << 20))
+    del held, out
+
+
 def test_nvml_handle_looked_up_once_per_process(monkeypatch):
     """A probe asks NVML for the device's memory each time but for its handle once per process (a forked
     child, with another pid, looks it up anew); a failing NVML gives None (the probe then asks torch)."""

@@ -155,7 +155,8 @@ def zero2_optimizer_step(shape: MoEShape, backend: str, device: str):
     """deepspeed.initialize at stage 2 of a model built plainly on the device (not timed): the flatten."""
     import deepspeed
 
-    model = MoEModel(shape).to(device=device, dtype=DTYPE)
+    with torch.device(device):  # built where it will live: the host's serial generator would take seconds
+        model = MoEModel(shape).to(dtype=DTYPE)
 
     def step():
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
