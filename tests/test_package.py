@@ -24,9 +24,15 @@ def test_kernels_install_as_ztriton_kernels_only(tmp_path):
 
 
 def test_demo_runs_on_cpu_and_reports_identical_bytes(tmp_path):
-    done = run_python(["-m", "ztriton", "demo", "--device", "cpu", "--world-size", "3"], tmp_path)
+    import json
+
+    done = run_python(["-m", "ztriton", "demo", "--device", "cpu", "--world-size", "3", "--json", "demo.json"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     table = done.stdout.split("\n\n")[-2]
+    written = json.loads((tmp_path / "demo.json").read_text())  # --json: the same rows, as printed
+    assert written["world_size"] == 3 and [r["bytes"] for r in written["rows"]] == ["identical"] * 3
+    for row in written["rows"]:
+        assert f"{row['key_off_s']:8.3f}" in table and f"{row['key_on_s']:8.3f}" in table
     for step in ("ZeRO-3 zero.Init", "ZeRO-3 initialize (lp_param_buffer)", "ZeRO-2 initialize (flatten)"):
         assert step in table
     assert "DIFFERENT" not in done.stdout and table.count("identical") == 3

@@ -1,4 +1,4 @@
-"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W]``.
+"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W] [--json PATH]``.
 
 The demo builds a built-in MoE-shaped model and runs ZeRO's load-time data movements with the
 DeepSpeed config key "partition_backend" off (DeepSpeed's own code) and on (ztriton): zero.Init, the
@@ -20,6 +20,8 @@ def _parse(argv):
     demo = sub.add_parser("demo", help="flatten and partition a built-in MoE-shaped model both ways")
     demo.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     demo.add_argument("--world-size", type=int, default=8, help="simulated data-parallel world size (default 8)")
+    demo.add_argument("--json", metavar="PATH", default=None,
+                      help="also write the table, with the versions and device it ran on, to this JSON file")
     return parser.parse_args(argv)
 
 
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ztriton.integrations.deepspeed import demo
 
-    return demo.run(device, args.world_size)
+    return demo.run(device, args.world_size, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def quiet_foreign_warnings() -> None:
     deepspeed_logger.addFilter(_DropMessage("You are using ZeRO with an untested optimizer"))
 
 
-def run(device: str, world_size: int) -> int:
+def run(device: str, world_size: int, json_path: str | None = None) -> int:
     import logging
 
     quiet_foreign_warnings()
@@ -256,7 +256,33 @@ def run(device: str, world_size: int) -> int:
         run_steps(WARMUP_SHAPE, device, world_size, 4096, quiet=True)
     rows = run_steps(shape, device, world_size, host_init_bytes)
     _print_table(rows, device)
+    if json_path is not None:
+        _write_json(json_path, rows, device, world_size, shape, numel, host_init_bytes)
     return 0 if all(r[-1] for r in rows) else 1
+
+
+def _write_json(path: str, rows, device: str, world_size: int, shape: MoEShape, numel: int,
+                host_init_bytes: int) -> None:
+    """The table as ``--json`` writes it: each row's median seconds and largest peak, key off and on."""
+    import dataclasses
+    import json
+    import platform
+
+    import deepspeed
+    import triton
+
+    environment = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                   "deepspeed": deepspeed.__version__,
+                   "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
+    out = {"command": "python -m ztriton demo", "environment": environment, "world_size": world_size,
+           "model": dataclasses.asdict(shape), "model_mib_bf16": numel * 2 / 2**20, "host_init_bytes": host_init_bytes,
+           "repeats": REPEATS, "rows": [
+               {"step": name, "key_off_s": off_s, "key_off_peak_mib": off_peak, "key_on_s": on_s,
+                "key_on_peak_mib": on_peak, "bytes": "identical" if same else "DIFFERENT"}
+               for name, off_s, off_peak, on_s, on_peak, same in rows]}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"[demo] wrote {path}", flush=True)
 
 
 def _print_table(rows, device: str) -> None:
