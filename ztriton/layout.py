@@ -14,6 +14,7 @@ Every size is a Python int, so numels above 2**31 are exact.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -74,17 +75,19 @@ class Zero3Slice:
     numel: int
     world_size: int
 
-    @property
+    # Cached: a partition's planning asks each of these many times per param (cached_property writes the
+    # instance's __dict__ directly, which a frozen dataclass allows).
+    @functools.cached_property
     def padding(self) -> int:
         """Elements appended so that every rank gets the same count (``(W - numel % W) % W``)."""
         return (self.world_size - self.numel % self.world_size) % self.world_size
 
-    @property
+    @functools.cached_property
     def aligned_numel(self) -> int:
         """DeepSpeed's ``param.ds_numel_aligned``."""
         return self.numel + self.padding
 
-    @property
+    @functools.cached_property
     def partition_numel(self) -> int:
         """DeepSpeed's ``param.ds_tensor.ds_numel``: elements each rank stores."""
         return self.aligned_numel // self.world_size

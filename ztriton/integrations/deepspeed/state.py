@@ -26,6 +26,7 @@ class InitState:
 
     settings: Settings
     announced: bool = False  # the "partitions through ztriton" / "falls back" line was logged
+    uses_ztriton: bool = False  # what that line said (set with it: DeepSpeed's settings are fixed by then)
     options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
     done_bytes: int = 0
     done_params: int = 0

@@ -56,9 +56,14 @@ _VF = torch._C._VariableFunctions  # torch's own constructors, whatever zero.Ini
 _RECORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(function: Callable) -> inspect.Signature:
+    return inspect.signature(function)  # ~0.1 ms a call, once per zero.Init otherwise
+
+
 def init_init(original, self, *args, **kwargs):
     """``Init.__init__``: read the key (an unknown backend fails before DeepSpeed does anything)."""
-    bound = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    bound = _signature(original).bind(self, *args, **kwargs).arguments
     config = bound.get("config")  # DeepSpeed's precedence: the deprecated config= wins when given
     if config is None:
         config = bound.get("config_dict_or_path")
@@ -72,17 +77,18 @@ def _uses_ztriton(init) -> bool:
     state = STATE.init(init)
     if state is None or not state.settings.triton or not hasattr(init, "remote_device"):
         return False  # not ours, or asked before DeepSpeed's __init__ set up the devices
+    if state.announced:  # decided once: every hook of every module asks
+        return state.uses_ztriton
     reason = unsupported_reason(init)
-    if not state.announced:
-        state.announced = True
-        if reason is not None:
-            logger.warning("ztriton: partition_backend='triton' falls back to DeepSpeed's zero.Init for %s, which "
-                           "ztriton does not handle", reason)
-        else:
-            logger.info("ztriton: zero.Init partitions through ztriton (partitions on %s; parameters of %s or "
-                        "more are initialised shard by shard)", _offload_device(init) or init.local_device,
-                        format_bytes(_options(init).host_init_bytes))
-    return reason is None
+    state.announced, state.uses_ztriton = True, reason is None
+    if reason is not None:
+        logger.warning("ztriton: partition_backend='triton' falls back to DeepSpeed's zero.Init for %s, which "
+                       "ztriton does not handle", reason)
+    else:
+        logger.info("ztriton: zero.Init partitions through ztriton (partitions on %s; parameters of %s or "
+                    "more are initialised shard by shard)", _offload_device(init) or init.local_device,
+                    format_bytes(_options(init).host_init_bytes))
+    return state.uses_ztriton
 
 
 def _offload_device(init) -> str | None:
