@@ -10,12 +10,7 @@ integers, so every dtype (fp8, bool, bf16 under the interpreter) moves alike.
 import triton
 import triton.language as tl
 
-# A strided source is described by MAX_DIMS sizes, strides and flat weights, leading dims padded.
-MAX_DIMS = 8
-# Columns of a strided part (see _gather_tile_kernel): src_addr, dst element offset of flat index 0,
-# flat start, flat end, first row of tiles, p blocks, c blocks, then sizes, strides, flat weights.
-DESC_HEAD = 7
-DESC_ROW = DESC_HEAD + 3 * MAX_DIMS
+from .descriptor import DESC_HEAD, DESC_ROW, MAX_DIMS  # noqa: F401  (DESC_ROW: the kernels' row width)
 
 
 @triton.jit

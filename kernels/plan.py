@@ -14,28 +14,51 @@ and the rest numpy columns, because a ZeRO-2 flatten plans hundreds to thousands
 """
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
-import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from .copy import DESC_HEAD, MAX_DIMS, _copy_words_kernel, _gather_tile_kernel
+from .descriptor import DESC_HEAD, MAX_DIMS
 
-__all__ = ["INTERPRETED", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "byte_extents", "check_dst",
-           "KERNELS_ONLY", "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces", "uncovered", "validate"]
+__all__ = ["Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "byte_extents", "check_dst",
+           "interpreted", "KERNELS_ONLY", "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces",
+           "uncovered", "validate"]
 
-_WORD_DTYPES = {16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
-_INT_FOR_ITEMSIZE = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+# Element sizes the kernels move as integers of that width (16-byte elements move as pairs of 8).
+_ITEMSIZES = (8, 4, 2, 1)
 
-# triton decides when a kernel is decorated (at its first import) whether it runs under the
-# interpreter (TRITON_INTERPRET=1); the environment variable read later could say otherwise.
-INTERPRETED = not isinstance(_copy_words_kernel, JITFunction)
+
+@functools.cache
+def _jit() -> SimpleNamespace:
+    """The jit kernels and triton's integer types, imported by the first plan that launches a kernel (or asks
+    whether the interpreter is on). A process whose copies all go through torch's copy_ (``Tuning.torch_pieces``,
+    ``BEFORE_LOAD_PIECES``) never imports triton: ~0.3 s of a fresh process's start on an H200 host."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    from .copy import _copy_words_kernel, _gather_tile_kernel
+
+    return SimpleNamespace(
+        copy_words=_copy_words_kernel, gather_tile=_gather_tile_kernel,
+        word_types={16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8},
+        int_for_itemsize={8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8},
+        # triton decides when a kernel is decorated (at its first import) whether it runs under the
+        # interpreter (TRITON_INTERPRET=1); the environment variable read later could say otherwise.
+        interpreted=not isinstance(_copy_words_kernel, JITFunction))
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (imports triton, once)."""
+    return _jit().interpreted
+
+
 # The interpreter patches triton.language module-wide during a launch: two launches at once from two
 # threads would undo each other's patches. Launches under it take turns.
 _INTERPRETER_LOCK = threading.Lock()
@@ -54,7 +77,7 @@ class Piece(NamedTuple):
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels can launch on tensors of ``device``: CUDA, or CPU under the interpreter."""
-    return device.type == "cuda" or (INTERPRETED and device.type == "cpu")
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,7 +568,7 @@ class Plan:
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
-            with _INTERPRETER_LOCK if INTERPRETED else nullcontext():
+            with self._interpreter_turn():
                 self._launch_all()
             return
         device = self.stream.device
@@ -557,8 +580,12 @@ class Plan:
                 current.wait_stream(self.stream)
                 for table in self.tables:
                     table.record_stream(current)
-            with _INTERPRETER_LOCK if INTERPRETED else nullcontext():
+            with self._interpreter_turn():
                 self._launch_all()
+
+    def _interpreter_turn(self):
+        """The interpreter's lock for a plan that launches kernels under it; nothing otherwise."""
+        return _INTERPRETER_LOCK if self.launches and interpreted() else nullcontext()
 
     def _launch_all(self) -> None:
         if self.copies or self.fills:
@@ -690,11 +717,12 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     keep_alive = [dst, *(p[0] for p in pieces)]
     if _torch_copies_suffice(srcs, tuning, dst.device):
         return _torch_copy_plan(dst, pieces, srcs, zeros, keep_alive)
-    if dst.element_size() not in _INT_FOR_ITEMSIZE:
+    if dst.element_size() not in _ITEMSIZES:
         if not dst.dtype.is_complex:
             raise TypeError(f"dst has dtype {dst.dtype} of {dst.element_size()} bytes, which the kernels do not move")
         dst, pieces, srcs, zeros = _as_word_pairs(dst, pieces, srcs, zeros)
 
+    jit = _jit()
     itemsize = dst.element_size()
     # Kernels address dst from the start of its storage, which the allocator aligns, so that an
     # offset view of a buffer still gets 16-byte words wherever its elements allow them.
@@ -712,8 +740,8 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         table, at, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
         table = _to_device(table, dst.device)
         tables.append(table)
-        launches.append((_copy_words_kernel, (programs,), (table, table[at:], len(s), storage), dict(
-            WORD=_WORD_DTYPES[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
+        launches.append((jit.copy_words, (programs,), (table, table[at:], len(s), storage), dict(
+            WORD=jit.word_types[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
             CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
 
     strided: dict[tuple, list[tuple[list[int], int]]] = {}
@@ -728,9 +756,9 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         table, at = _with_first_aligned(np.array([d for d, _ in entries], dtype=np.int64).reshape(-1), first)
         table = _to_device(torch.from_numpy(table), dst.device)
         tables.append(table)
-        launches.append((_gather_tile_kernel, (int(first[-1]),),
+        launches.append((jit.gather_tile, (int(first[-1]),),
                          (table, table[at:], len(entries), storage), dict(
-            WORD=_INT_FOR_ITEMSIZE[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
+            WORD=jit.int_for_itemsize[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
             BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
             SIZE_ALIGN=size_align, SMALL=small,
             num_warps=tuning.tile_warps)))

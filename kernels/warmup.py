@@ -25,7 +25,8 @@ import time
 import torch
 
 from .ops import pack_plan
-from .plan import INTERPRETED, KERNELS_ONLY, WARMING
+from . import plan
+from .plan import KERNELS_ONLY, WARMING
 
 __all__ = ["warm_up", "warm_up_in_background"]
 
@@ -66,7 +67,7 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         return None
     if device.index is None:
         raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
-    if INTERPRETED:  # the interpreter does not compile: nothing to load
+    if plan.interpreted():  # the interpreter does not compile: nothing to load
         return None
     with _lock:
         if device.index in _requested:

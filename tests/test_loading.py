@@ -528,10 +528,10 @@ def test_kernels_run_on_follows_what_triton_decided(monkeypatch):
     from ztriton.kernels import plan
     from ztriton.memory import kernels_run_on
 
-    assert plan.INTERPRETED and os.environ["TRITON_INTERPRET"] == "1"  # conftest set it before the import
+    assert plan.interpreted() and os.environ["TRITON_INTERPRET"] == "1"  # conftest set it before the import
     assert kernels_run_on(torch.device("cpu"))
     assert not kernels_run_on(torch.device("meta"))
-    monkeypatch.setattr(plan, "INTERPRETED", False)  # as if triton had been imported without the variable
+    monkeypatch.setattr(plan, "interpreted", lambda: False)  # as if triton had been imported without the variable
     assert not kernels_run_on(torch.device("cpu"))
     monkeypatch.undo()
     monkeypatch.setenv("TRITON_INTERPRET", "0")

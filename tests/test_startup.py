@@ -234,3 +234,16 @@ def test_one_rule_for_every_progress_bar(monkeypatch, wanted, env, tty, notebook
     with progress.bar(10, "t", wanted=wanted) as bar:  # the same object either way
         bar.update(10)
         assert (bar._bar is not None) is shown
+
+
+def test_kernels_import_triton_only_for_a_launch(tmp_path):
+    """``ztriton.kernels`` and the entry points import triton only when a plan launches a kernel (or asks whether
+    the interpreter is on): a process whose copies all take torch's copy_ never pays triton's import. On a machine
+    without CUDA every plan asks (CPU tensors run only under the interpreter), so only the imports are checked."""
+    code = ("import sys, ztriton, ztriton.kernels, ztriton.partitioning, ztriton.flatten, ztriton.defragmenting; "
+            "print('TRITON_IMPORTED', 'triton' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "TRITON_IMPORTED False" in done.stdout

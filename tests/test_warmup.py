@@ -45,7 +45,7 @@ def fresh_warm_ups(monkeypatch):
 
     registered = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(warmup, "INTERPRETED", False)
+    monkeypatch.setattr(plan, "interpreted", lambda: False)
     monkeypatch.setattr(warmup, "_requested", set())
     monkeypatch.setattr(warmup, "_threads", [])
     monkeypatch.setattr(warmup.atexit, "register", registered.append)
@@ -85,8 +85,13 @@ def test_integration_starts_nothing_on_a_cpu_accelerator(started, monkeypatch):
     assert started == []
 
 
-@pytest.mark.parametrize("backend, expected", [("triton", 1), ("torch", 0)])
-def test_only_a_config_with_the_key_starts_it(monkeypatch, backend, expected):
+@pytest.mark.parametrize("backend, section, expected", [
+    ("triton", {"warm_up_kernels": True}, 1),
+    ("triton", {}, 0),  # off by default: a process that never needs a kernel would pay for the thread
+    ("triton", {"warm_up_kernels": False}, 0),
+    ("torch", {"warm_up_kernels": True}, 0),  # key off: ztriton does nothing
+])
+def test_only_a_config_with_the_key_and_the_option_starts_it(monkeypatch, backend, section, expected):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from ztriton.integrations.deepspeed.install import install
@@ -94,8 +99,14 @@ def test_only_a_config_with_the_key_starts_it(monkeypatch, backend, expected):
     install()  # idempotent; importing ztriton installs it only once deepspeed is imported, which may come later
     calls = []
     monkeypatch.setattr(ds_config, "start_kernel_warm_up", lambda: calls.append(1))
-    DeepSpeedConfig({"train_batch_size": 1, "partition_backend": backend, "zero_optimization": {"stage": 2}})
+    DeepSpeedConfig({"train_batch_size": 1, "partition_backend": backend, "zero_optimization": {"stage": 2},
+                     "ztriton": section})
     assert len(calls) == expected
+
+
+def test_warm_up_option_must_be_a_bool():
+    with pytest.raises(ValueError, match="ztriton.warm_up_kernels must be true or false, got 'yes'"):
+        ds_config.settings_from({"partition_backend": "triton", "ztriton": {"warm_up_kernels": "yes"}})
 
 
 def test_nothing_to_warm_without_cuda(monkeypatch):
@@ -262,9 +273,9 @@ def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
 
 
 GPU_UNLOADED = """
+import sys
 import torch
 from ztriton.kernels import pack_plan, plan
-from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
 device = torch.device("cuda", 0)
 sources = [torch.randn(1000 + i, device=device).to(torch.bfloat16) for i in range(600)]
 offsets, at = [], 0
@@ -278,7 +289,9 @@ job.launch()
 for s, o in zip(sources, offsets):
     assert torch.equal(flat[o:o + s.numel()].view(torch.int16), s.view(torch.int16))
     assert torch.equal(flat[o + s.numel():o + s.numel() + 8].view(torch.int16), torch.zeros(8, dtype=torch.int16, device=device))
-assert len(_copy_words_kernel.device_caches[0][0]) == 0 and plan.LOADED == set(), "nothing loaded"
+assert "triton" not in sys.modules and plan.LOADED == set(), "nothing loaded, triton not even imported"
+from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
+assert len(_copy_words_kernel.device_caches[0][0]) == 0
 square = torch.randn(64, 64, device=device).to(torch.bfloat16)
 out = torch.empty(64 * 64, dtype=torch.bfloat16, device=device)
 pack_plan(out, [square.t()], [0]).launch()  # a strided source needs the kernel: it loads now
@@ -290,8 +303,9 @@ print("OK")
 
 @pytest.mark.gpu
 def test_gpu_fresh_process_takes_torch_copies_until_a_job_needs_the_kernel():
-    """No warm-up and no kernel loaded: a 600-piece pack goes through torch's copy_ and loads nothing (a dense
-    model's flatten never pays the load); a strided source then loads the kernel and marks the device."""
+    """No warm-up and no kernel loaded: a 600-piece pack goes through torch's copy_ and loads nothing, not even
+    triton (a dense model's flatten never pays for them); a strided source then loads the kernel and marks the
+    device."""
     import os
     import subprocess
     import sys

@@ -66,13 +66,18 @@ class Options:
     ``headroom_bytes``: device memory every decision leaves free (default 1 GiB). ``chunk_bytes``:
     staging chunk size (default: picked from free memory). ``host_init_bytes``: parameters created
     inside ``zero.Init`` at least this large are never allocated whole: each rank generates only its slice
-    (exact sharded init; default: :func:`choose_host_init_bytes`).
+    (exact sharded init; default: :func:`choose_host_init_bytes`). ``warm_up_kernels``: load the copy
+    kernel in a background thread from the moment a DeepSpeed config asks for the key (default off: copies of
+    up to 4096 contiguous pieces take torch's ``copy_`` until a kernel is loaded, so a dense or fused-MoE
+    model never loads one; turn it on for groups of more params, or strided ones, whose first copy would
+    otherwise load the kernel in the caller's thread).
     The same names make the ``"ztriton"`` section of a DeepSpeed config.
     """
 
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES
     chunk_bytes: int | None = None
     host_init_bytes: int | None = None
+    warm_up_kernels: bool = False
 
     def __post_init__(self):
         # Checked and stored as plain ints (a numpy integer from a config becomes an int).
@@ -81,12 +86,15 @@ class Options:
             object.__setattr__(self, "chunk_bytes", check_chunk_bytes(self.chunk_bytes))
         if self.host_init_bytes is not None:
             object.__setattr__(self, "host_init_bytes", check_bytes("host_init_bytes", self.host_init_bytes))
+        if not isinstance(self.warm_up_kernels, bool):
+            raise ValueError(f"warm_up_kernels must be true or false, got {self.warm_up_kernels!r:.60}")
 
     @classmethod
     def of(cls, *, headroom_bytes: int | None = None, chunk_bytes: int | None = None,
-           host_init_bytes: int | None = None) -> Options:
+           host_init_bytes: int | None = None, warm_up_kernels: bool | None = None) -> Options:
         """Options from keyword arguments where ``None`` means the default."""
-        return cls(DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes, chunk_bytes, host_init_bytes)
+        return cls(DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes, chunk_bytes, host_init_bytes,
+                   False if warm_up_kernels is None else warm_up_kernels)
 
 
 OPTION_NAMES = tuple(f.name for f in fields(Options))

@@ -25,7 +25,8 @@ BACKENDS = ("torch", "triton")
 @dataclass(frozen=True)
 class Settings:
     """What a DeepSpeed config asks of ztriton: the backend ("torch": DeepSpeed's own code) and the
-    options of the ``"ztriton"`` section (``host_init_bytes``, ``chunk_bytes``, ``headroom_bytes``)."""
+    options of the ``"ztriton"`` section (``host_init_bytes``, ``chunk_bytes``, ``headroom_bytes``,
+    ``warm_up_kernels``)."""
 
     backend: str = "torch"
     options: Options = field(default_factory=Options)
@@ -118,8 +119,10 @@ def warn_if_no_effect(settings: Settings, zero_stage: int) -> None:
 
 
 def start_kernel_warm_up() -> None:
-    """Load the kernels in the background from the moment a config asks for them: DeepSpeed's own set-up
-    (engine, process groups, the model build) then hides the first launch's fixed cost (``kernels.warmup``).
+    """Load the kernels in the background from the moment a config asks for them (``"ztriton":
+    {"warm_up_kernels": true}``): DeepSpeed's own set-up (engine, process groups, the model build) then hides
+    the first launch's fixed cost (``kernels.warmup``). Off by default: measured on an H200 (bench/NOTES.md,
+    session 5), a process that never needs a kernel paid 0.5-0.7 s for the thread in ZeRO-3's initialize.
 
     Only on the GPU this rank will use: ``LOCAL_RANK`` (DeepSpeed's launcher sets it and DeepSpeed
     selects that device), else the only GPU. With several GPUs and no LOCAL_RANK nothing starts: a guess
@@ -154,7 +157,7 @@ def config_init(original, self, config, *args, **kwargs):
         config = config._param_dict
     original(self, config, *args, **kwargs)
     settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
-    if settings.triton:
+    if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
     if isinstance(self._param_dict, dict):
         from ztriton.integrations.deepspeed.report import warn_once
