@@ -28,7 +28,7 @@ def kernels_run_on(device: torch.device) -> bool:
 
     triton decided at its import whether it interprets; TRITON_INTERPRET set since cannot make CPU
     tensors launchable, but unset (or "0") it still sends them to the plain-torch path."""
-    from ztriton.kernels.plan import runs_on  # kernels import triton: only when asked
+    from ztriton.kernels.plan import runs_on  # on first use (triton only for a launch)
 
     return runs_on(device) and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -261,7 +261,7 @@ def check_kernels_take(tensor: torch.Tensor, name: str) -> None:
     """
     if tensor.is_contiguous() or tensor.numel() == 0 or not kernels_run_on(tensor.device):
         return
-    from ztriton.kernels import Piece, make_plan  # kernels import triton: only when a strided source needs it
+    from ztriton.kernels import Piece, make_plan  # on first use (triton only for a launch)
 
     scratch = empty(1, tensor.dtype, tensor.device, "kernel check scratch")
     try:

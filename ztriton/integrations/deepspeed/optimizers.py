@@ -63,7 +63,7 @@ def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, p
     if mismatch:
         logger.warning("ztriton: group %d's layout differs from DeepSpeed's (%s); DeepSpeed flattens it", index, mismatch)
         return original(self, tensor_list, alignment, use_cpu_data, param_padding)
-    from ztriton.flatten import flatten_groups  # imports triton: on first use only
+    from ztriton.flatten import flatten_groups  # on first use (triton only for a launch)
 
     options = settings.options
     (flat,), seconds, peak = report.timed(lambda: flatten_groups(
@@ -95,7 +95,7 @@ def stage3_defragment(original, tensors):
     settings = STATE.building_optimizer.get()
     if settings is None or not settings.triton:
         return original(tensors)
-    from ztriton.defragmenting import defragment  # imports triton: on first use only
+    from ztriton.defragmenting import defragment  # on first use (triton only for a launch)
 
     report.banner("partition_backend='triton': the ZeRO-3 optimizer's flat partition buffer is built by "
                   "ztriton.defragment")

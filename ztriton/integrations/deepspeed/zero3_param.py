@@ -68,7 +68,7 @@ def partition(module: torch.nn.Module, group: dist.ProcessGroup | None = None, *
     if reason is not None:
         raise NotImplementedError(f"ztriton.partition does not build partitions for {reason}; "
                                   "use deepspeed.zero.Init for this mode")
-    from ztriton.partitioning import partition_params  # imports triton: on first use only
+    from ztriton.partitioning import partition_params  # on first use (triton only for a launch)
 
     local = torch.device(context.local_device)
     result, seconds, peak = report.timed(lambda: partition_params(

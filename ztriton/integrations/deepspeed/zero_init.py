@@ -101,7 +101,7 @@ def _options(init) -> policy.Options:
     """The Init's options with the placeholder threshold and the staging chunk picked, once per Init."""
     state = STATE.init(init)
     if state.options is None:
-        from ztriton.partitioning import staging_chunk_bytes  # imports triton: on first use only
+        from ztriton.partitioning import staging_chunk_bytes  # on first use (triton only for a launch)
 
         options = state.settings.options
         local = torch.device(init.local_device)
@@ -230,7 +230,7 @@ def init_convert_to_zero_parameters(original, self, param_list):
 
 def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]) -> None:
     """Partition ``named`` as ``init`` would, one call per partition group (MoE experts have their own)."""
-    from ztriton.partitioning import partition_params  # imports triton: on first use only
+    from ztriton.partitioning import partition_params  # on first use (triton only for a launch)
 
     nbytes = sum(p.numel() * p.dtype.itemsize for _, p in named)  # before partitioning empties them
     buckets: dict[int, tuple[Any, list]] = {}
