@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
         for temperature in ("cold", "warm"):
             off = cells.get(f"{step}/torch/{temperature}", {})
-            for backend in args.backends[1:] if args.backends[0] == "torch" else ():
+            for backend in [b for b in args.backends if b != "torch"] if "torch" in args.backends else ():
                 on = cells.get(f"{step}/{backend}/{temperature}", {})
                 if not off or not on or "error" in off or "error" in on:
                     continue

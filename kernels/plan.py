@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -77,7 +78,20 @@ class Piece(NamedTuple):
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels can launch on tensors of ``device``: CUDA, or CPU under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return device.type == "cuda" or (device.type == "cpu" and _interpreter_on())
+
+
+def _interpreter_on() -> bool:
+    """:func:`interpreted`, without importing triton to learn a "no" the environment already gives: before the
+    kernels are imported, triton would decide from ``TRITON_INTERPRET`` as it reads now, and importing them
+    while it reads "0" would fix that "no" for the life of the process (a caller may unset it briefly)."""
+    if _jit.cache_info().currsize == 0 and os.environ.get("TRITON_INTERPRET", "0").lower() not in _TRUTHY:
+        return False
+    return interpreted()
+
+
+# What triton takes for "on" in TRITON_INTERPRET.
+_TRUTHY = ("1", "true", "on", "yes")
 
 
 # --------------------------------------------------------------------------------------------
@@ -793,7 +807,9 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                _bytes(pieces[i][0]).narrow(0, int(srcs.start[i]) * width, int(srcs.count[i]) * width))
               for i in np.flatnonzero(srcs.count > 0).tolist()]
     fills = [out.narrow(0, int(offset) * width, int(count) * width) for offset, count in zeros.tolist() if count > 0]
-    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills, dst.is_inference())
+    # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
+    # be written inside it again.
+    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills, out.is_inference())
 
 
 def _launch_stream(dst: torch.Tensor):

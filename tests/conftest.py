@@ -42,11 +42,16 @@ def pytest_collection_modifyitems(config, items):
 def _kernels_loaded():
     """On a GPU, load the kernels once before any test: until a kernel is loaded on a device, jobs of up to
     ``plan.BEFORE_LOAD_PIECES`` contiguous pieces take torch's copy_, and which tests ran first would decide
-    whether the others test the kernels at all. Tests of the unloaded state set ``plan.LOADED`` themselves."""
+    whether the others test the kernels at all. Tests of the unloaded state set ``plan.LOADED`` themselves.
+    Without one, import the kernels under the interpreter before any test can unset TRITON_INTERPRET."""
     if HAS_CUDA:
         from ztriton.kernels.warmup import warm_up
 
         warm_up(torch.device("cuda", torch.cuda.current_device()))
+    else:  # triton decides at the kernels' import whether it interprets: now, with TRITON_INTERPRET=1 (above)
+        from ztriton.kernels import plan
+
+        assert plan.interpreted()
     yield
 
 

@@ -465,6 +465,22 @@ def _inference_copy(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
+def test_torch_copies_planned_in_inference_mode_launch_outside_it():
+    """A plan's byte views made inside inference mode are inference tensors even over a normal dst: launched
+    after the mode has ended, the plan still writes them (inside it again), and a plan made outside never
+    enters it."""
+    from ztriton.kernels import Piece, make_plan
+
+    src = torch.arange(4, dtype=torch.float32, device=DEVICE)
+    dst = torch.full((8,), -1.0, device=DEVICE)
+    with torch.inference_mode():
+        plan = make_plan(dst, [Piece(src, 0, 4, 0)], [(4, 4)])
+    assert plan.copies and plan.inference
+    plan.launch()
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0] and not dst.is_inference()
+    assert not make_plan(dst, [Piece(src, 0, 4, 0)], [(4, 4)]).inference
+
+
 def test_torch_copies_off_with_torch_pieces_0_even_for_zeros_only():
     from ztriton.kernels import Tuning, make_plan
 

@@ -247,3 +247,29 @@ def test_kernels_import_triton_only_for_a_launch(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "TRITON_IMPORTED False" in done.stdout
+
+
+def test_kernels_not_imported_while_the_interpreter_variable_reads_0(tmp_path):
+    """Asking whether CPU tensors can take the kernels while TRITON_INTERPRET briefly reads "0" answers no without
+    importing triton, so the interpreter is still on once the variable is back (importing then would have fixed
+    the "no" for the life of the process)."""
+    code = textwrap.dedent("""
+        import os, sys, torch
+        from ztriton.kernels import plan
+        from ztriton.memory import kernels_run_on
+        cpu = torch.device("cpu")
+        os.environ["TRITON_INTERPRET"] = "0"
+        print("OFF", kernels_run_on(cpu), plan.runs_on(cpu), "triton" in sys.modules)
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("ON", kernels_run_on(cpu), plan.runs_on(cpu), plan.interpreted())
+        dst = torch.full((40,), -1.0)
+        plan.make_plan(dst, [plan.Piece(torch.arange(30.0).view(5, 6).t(), 0, 30, 5)], [(0, 5), (35, 5)]).launch()
+        print("PACKED", dst[5:11].tolist())
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "OFF False False False" in done.stdout
+    assert "ON True True True" in done.stdout
+    assert "PACKED [0.0, 6.0, 12.0, 18.0, 24.0, 1.0]" in done.stdout

@@ -26,11 +26,12 @@ __all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "check_kernels_ta
 def kernels_run_on(device: torch.device) -> bool:
     """The Triton kernels run on CUDA tensors, and on CPU tensors only under the interpreter.
 
-    triton decided at its import whether it interprets; TRITON_INTERPRET set since cannot make CPU
-    tensors launchable, but unset (or "0") it still sends them to the plain-torch path."""
+    triton decides when the kernels are first imported whether it interprets; TRITON_INTERPRET set since
+    cannot make CPU tensors launchable, but unset (or "0") it still sends them to the plain-torch path.
+    The variable is read first: asking the kernels while it reads "0" must not import them then."""
     from ztriton.kernels.plan import runs_on  # on first use (triton only for a launch)
 
-    return runs_on(device) and (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1")
+    return (device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1") and runs_on(device)
 
 
 def synchronize(device: torch.device | None = None) -> None:

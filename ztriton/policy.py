@@ -86,8 +86,9 @@ class Options:
             object.__setattr__(self, "chunk_bytes", check_chunk_bytes(self.chunk_bytes))
         if self.host_init_bytes is not None:
             object.__setattr__(self, "host_init_bytes", check_bytes("host_init_bytes", self.host_init_bytes))
-        if not isinstance(self.warm_up_kernels, bool):
+        if not isinstance(self.warm_up_kernels, (bool, int)) or self.warm_up_kernels not in (0, 1):
             raise ValueError(f"warm_up_kernels must be true or false, got {self.warm_up_kernels!r:.60}")
+        object.__setattr__(self, "warm_up_kernels", bool(self.warm_up_kernels))
 
     @classmethod
     def of(cls, *, headroom_bytes: int | None = None, chunk_bytes: int | None = None,

@@ -547,6 +547,7 @@ def _start_afresh_in_forked_child() -> None:
     _shared_lock = threading.Lock()
     _shared = None
     _copy_streams.clear()
+    _TIMERS.clear()  # the parent's timers: no thread here, nothing for the child's exit to cancel
 
 
 if hasattr(os, "register_at_fork"):
