@@ -598,8 +598,11 @@ class Plan:
                 self._launch_all()
 
     def _interpreter_turn(self):
-        """The interpreter's lock for a plan that launches kernels under it; nothing otherwise."""
-        return _INTERPRETER_LOCK if self.launches and interpreted() else nullcontext()
+        """The interpreter's lock for any plan once kernels run under it (a launch on CUDA tensors copies dst's
+        whole storage to the host and back: torch's copies beside it would be lost); nothing where triton is not
+        even imported yet, since then no kernel can be running."""
+        imported = self.launches or _jit.cache_info().currsize > 0
+        return _INTERPRETER_LOCK if imported and interpreted() else nullcontext()
 
     def _launch_all(self) -> None:
         if self.copies or self.fills:
