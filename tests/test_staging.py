@@ -193,3 +193,29 @@ def test_exit_stops_the_spill_pools_timer():
     timer.join(1)
     assert not timer.is_alive()
     pool.free()
+
+
+def test_spill_copies_lands_each_source_back_to_back_in_one_loan():
+    """One loan for all: each source's values in order, as contiguous 1-D views; a caller's own copy for
+    strided sources; a copy that fails raises after the others finished, and nothing was re-pointed."""
+    pool = staging.spill_pool()
+    sources = [torch.arange(6.0).view(2, 3), torch.arange(10.0, 14.0), torch.arange(20.0, 29.0).view(3, 3).t()]
+    before = pool.allocations
+    copies = staging.spill_copies(sources, torch.device("cpu"), "test spill")
+    assert [c.tolist() for c in copies] == [s.reshape(-1).tolist() for s in sources]
+    assert all(c.dim() == 1 and c.is_contiguous() for c in copies)
+    assert copies[1].data_ptr() == copies[0].data_ptr() + 6 * 4 and pool.allocations <= before + 1
+    seen = []
+    own = staging.spill_copies(sources, torch.device("cpu"), "test spill",
+                               copy=lambda out, src: (seen.append(src.shape), out.copy_(src.reshape(-1))))
+    assert [c.tolist() for c in own] == [c.tolist() for c in copies] and seen == [s.shape for s in sources]
+    assert staging.spill_copies([], torch.device("cpu"), "test spill") == []
+
+    def failing(out, src):
+        if src.shape == (4,):
+            raise RuntimeError("copy failed")
+        out.copy_(src.reshape(-1))
+
+    with pytest.raises(RuntimeError, match="copy failed"):
+        staging.spill_copies(sources, torch.device("cpu"), "test spill", copy=failing)
+    assert sources[1].tolist() == [10.0, 11.0, 12.0, 13.0]

@@ -241,19 +241,11 @@ def _move_to_host(tensors: list[torch.Tensor], indices: Sequence[int]) -> list[i
     indices = list(indices)
     if not indices:
         return []
-    device, dtype = tensors[0].device, tensors[0].dtype
-    numel = sum(tensors[i].numel() for i in indices)
-    staged = staging.spill(numel * tensors[0].element_size(), device, "evicted partitions").view(dtype)
-    at, places = 0, []
-    with staging.synchronized(device):
-        for i in indices:
-            n = tensors[i].numel()
-            # a strided 1-D partition (small; partitions are contiguous in practice): torch makes it contiguous
-            staged.narrow(0, at, n).copy_(tensors[i].detach(), non_blocking=True)
-            places.append(at)
-            at += n
-    for i, at in zip(indices, places):
-        tensors[i].data = staged.narrow(0, at, tensors[i].numel())
+    device = tensors[0].device
+    # A strided 1-D partition (small; partitions are contiguous in practice): torch makes it contiguous.
+    copies = staging.spill_copies([tensors[i].detach() for i in indices], device, "evicted partitions")
+    for i, copy in zip(indices, copies):
+        tensors[i].data = copy
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return indices

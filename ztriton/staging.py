@@ -29,14 +29,15 @@ import sys
 import threading
 import time
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from ztriton import memory
 
-__all__ = ["StagingRing", "SpillPool", "copy_staged", "ring", "release", "spill", "spill_pool", "synchronized",
+__all__ = ["StagingRing", "SpillPool", "copy_staged", "ring", "release", "spill", "spill_copies", "spill_pool",
+           "synchronized",
            "DEFAULT_IDLE_S", "DEFAULT_CHUNK_BYTES"]
 
 # Bytes of one staging buffer for copies between a device and pageable host memory: a power of two
@@ -587,6 +588,31 @@ def spill(nbytes: int, device: torch.device | str | None = None, what: str = "ho
     names the memory in an allocation error (and for ``memory.fault_hook``).
     """
     return _spill_pool.lend(nbytes, device, what)
+
+
+def spill_copies(sources: list[torch.Tensor], device: torch.device, what: str,
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
+    """Copies of ``sources`` (one dtype, on ``device``) in one :func:`spill` loan, back to back: a contiguous
+    1-D host view per source, in order, returned once every copy has landed. ``copy(out, src)`` queues one
+    (default: ``out`` viewed as ``src``'s shape, one asynchronous DMA; a caller with strided sources it must
+    not make contiguous on their device passes its own). The caller re-points its tensors at the views only
+    now, with every copy complete: a failure on the way leaves them where they were."""
+    if not sources:
+        return []
+    dtype = sources[0].dtype
+    numels = [src.numel() for src in sources]
+    staged = spill(sum(numels) * sources[0].element_size(), device, what).view(dtype)
+    views, at = [], 0
+    with synchronized(device):
+        for src, n in zip(sources, numels):
+            out = staged.narrow(0, at, n)
+            if copy is None:
+                out.view(src.shape).copy_(src, non_blocking=True)
+            else:
+                copy(out, src)
+            views.append(out)
+            at += n
+    return views
 
 
 @contextlib.contextmanager

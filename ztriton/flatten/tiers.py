@@ -225,18 +225,13 @@ def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
     """
     if not positions:
         return
-    host = _spill(g, sum(g.numel(k) for k in positions), "evicted params")
-    offset, places = 0, []
-    with staging.synchronized(g.device):
-        for k in positions:
-            _copy_to_host(host.narrow(0, offset, g.numel(k)), g.params[k].detach(), run)
-            places.append(offset)
-            offset += g.numel(k)
-    for k, at in zip(positions, places):
-        g.params[k].data = host.narrow(0, at, g.numel(k)).view(g.shapes[k])
+    copies = staging.spill_copies([g.params[k].detach() for k in positions], g.device, "evicted params",
+                                  copy=lambda out, src: _copy_to_host(out, src, run))
+    for k, copy in zip(positions, copies):
+        g.params[k].data = copy.view(g.shapes[k])
         g.evicted.add(k)
     logger.info("ztriton flatten group %d: evicted %d params (%s) to host memory", g.index, len(positions),
-                format_bytes(host.numel() * g.element_size))
+                format_bytes(sum(c.numel() for c in copies) * g.element_size))
 
 
 def _host_copy(g: Group, run: Run, layout: bool = False, pinned: bool = True) -> torch.Tensor:
