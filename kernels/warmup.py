@@ -67,7 +67,9 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         return None
     if device.index is None:
         raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
-    if plan.interpreted():  # the interpreter does not compile: nothing to load
+    # The interpreter compiles nothing. Asked without importing triton where the environment says no: the
+    # thread imports it, off the caller's thread.
+    if plan._interpreter_on():
         return None
     with _lock:
         if device.index in _requested:
