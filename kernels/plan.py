@@ -60,6 +60,11 @@ def interpreted() -> bool:
     return _jit().interpreted
 
 
+def _jit_imported() -> bool:
+    """Whether :func:`_jit` has imported triton and the kernels yet (asking does not import them)."""
+    return _jit.cache_info().currsize > 0
+
+
 # The interpreter patches triton.language module-wide during a launch: two launches at once from two
 # threads would undo each other's patches. Launches under it take turns.
 _INTERPRETER_LOCK = threading.Lock()
@@ -85,7 +90,7 @@ def _interpreter_on() -> bool:
     """:func:`interpreted`, without importing triton to learn a "no" the environment already gives: before the
     kernels are imported, triton would decide from ``TRITON_INTERPRET`` as it reads now, and importing them
     while it reads "0" would fix that "no" for the life of the process (a caller may unset it briefly)."""
-    if _jit.cache_info().currsize == 0 and os.environ.get("TRITON_INTERPRET", "0").lower() not in _TRUTHY:
+    if not _jit_imported() and os.environ.get("TRITON_INTERPRET", "0").lower() not in _TRUTHY:
         return False
     return interpreted()
 
@@ -601,8 +606,7 @@ class Plan:
         """The interpreter's lock for any plan once kernels run under it (a launch on CUDA tensors copies dst's
         whole storage to the host and back: torch's copies beside it would be lost); nothing where triton is not
         even imported yet, since then no kernel can be running."""
-        imported = self.launches or _jit.cache_info().currsize > 0
-        return _INTERPRETER_LOCK if imported and interpreted() else nullcontext()
+        return _INTERPRETER_LOCK if (self.launches or _jit_imported()) and interpreted() else nullcontext()
 
     def _launch_all(self) -> None:
         if self.copies or self.fills:

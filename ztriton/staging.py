@@ -54,6 +54,17 @@ _TIMERS: "weakref.WeakSet[threading.Timer]" = weakref.WeakSet()
 _EXIT_WAIT_S = 10.0
 
 
+def _start_idle_timer(delay: float, callback) -> threading.Timer:
+    """A started daemon timer calling ``callback(timer)`` after ``delay`` seconds, known to the exit's stop."""
+    timer = threading.Timer(delay, callback)
+    timer.args = (timer,)
+    timer.name = "ztriton-staging-idle"
+    timer.daemon = True
+    _TIMERS.add(timer)
+    timer.start()
+    return timer
+
+
 class StagingRing:
     """``count`` host buffers of ``buffer_bytes`` each, lent one at a time.
 
@@ -158,13 +169,7 @@ class StagingRing:
     def _arm_timer(self) -> None:
         if self.idle_s is None or not any(b is not None for b in self._buffers):
             return
-        timer = threading.Timer(self.idle_s, self._free_if_idle)
-        timer.args = (timer,)
-        timer.name = "ztriton-staging-idle"
-        timer.daemon = True
-        _TIMERS.add(timer)
-        self._timer = timer
-        timer.start()
+        self._timer = _start_idle_timer(self.idle_s, self._free_if_idle)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -509,13 +514,7 @@ class SpillPool:
         """Under the lock: one timer at a time, while the pool holds blocks."""
         if self.idle_s is None or self._timer is not None or not self._blocks:
             return
-        timer = threading.Timer(self.idle_s if delay is None else delay, self._free_idle)
-        timer.args = (timer,)
-        timer.name = "ztriton-staging-idle"
-        timer.daemon = True
-        _TIMERS.add(timer)
-        self._timer = timer
-        timer.start()
+        self._timer = _start_idle_timer(self.idle_s if delay is None else delay, self._free_idle)
 
     def _free_idle(self, timer: threading.Timer) -> None:
         """Timer: free the blocks unused for ``idle_s``; come back for the others while any is held."""

@@ -25,8 +25,9 @@ class InitState:
     picked once per Init: probing free memory per module would cost a query each), and its progress."""
 
     settings: Settings
-    announced: bool = False  # the "partitions through ztriton" / "falls back" line was logged
-    uses_ztriton: bool = False  # what that line said (set with it: DeepSpeed's settings are fixed by then)
+    # Whether this Init partitions through ztriton: None until decided (and the "partitions through ztriton" /
+    # "falls back" line logged), once DeepSpeed's __init__ has fixed its settings.
+    uses_ztriton: bool | None = None
     options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
     done_bytes: int = 0
     done_params: int = 0

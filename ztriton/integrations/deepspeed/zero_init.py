@@ -77,10 +77,10 @@ def _uses_ztriton(init) -> bool:
     state = STATE.init(init)
     if state is None or not state.settings.triton or not hasattr(init, "remote_device"):
         return False  # not ours, or asked before DeepSpeed's __init__ set up the devices
-    if state.announced:  # decided once: every hook of every module asks
+    if state.uses_ztriton is not None:  # decided once: every hook of every module asks
         return state.uses_ztriton
     reason = unsupported_reason(init)
-    state.announced, state.uses_ztriton = True, reason is None
+    state.uses_ztriton = reason is None
     if reason is not None:
         logger.warning("ztriton: partition_backend='triton' falls back to DeepSpeed's zero.Init for %s, which "
                        "ztriton does not handle", reason)
