@@ -2,17 +2,19 @@
 # The set-up every GPU batch needs before timing anything, then the measurements that answer the open
 # questions (bench/NOTES.md, session 5). Run from the project root on the CUDA machine:
 #
-#   bash bench/gpu_session.sh OUT_DIR [quick|full]
+#   bash bench/gpu_session.sh OUT_DIR [SECTION ...]
 #
 # * DeepSpeed's wheels from ./.whl (../shared/tools/gpu-wheels.sh fills it) go to /tmp/site when present.
 # * Every .py of torch's site-packages, the wheels and this tree is compiled first: a machine without .pyc
 #   compiles torch._dynamo, sympy, ... from source inside deepspeed.initialize (3-4 s per process, ~1 s of
 #   spread), which made session 4's fresh-process figures worthless.
-# * quick: the GPU tests, the demo (--json) and the fresh-process cells; full adds the warm-process
-#   benchmarks of issue 15 (flatten device tier, defragment probe, kernels' single-call figures).
+# * Sections (default: tests demo zero2 zero3; one device call holds at most 10 minutes, so split them):
+#   tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the fresh-process cells), warm (the
+#   warm-process benchmarks of issue 15: flatten device tier, defragment probe, kernels' single-call figures).
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [quick|full]}
-mode=${2:-quick}
+out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm]}
+shift
+sections=" ${*:-tests demo zero2 zero3} "
 mkdir -p "$out"
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -25,14 +27,23 @@ site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch
 python3 -m compileall -q -j 0 ${PYTHONPATH//:/ } "$site" > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 step() { echo "=== $*"; local start=$SECONDS; "$@"; echo "=== exit $? after $((SECONDS - start)) s"; }
-step timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider
-step timeout 120 python3 -m ztriton demo --json "$out/demo.json"
-step timeout 200 python3 bench/profile_demo.py --empty-cache --no-profile --repeats 15 --steps zero_init zero2_optimizer
-step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton triton-warmup --warm-repeats 6 \
-  --out "$out/coldstart_zero2.json"
-step timeout 180 python3 bench/bench_coldstart.py --steps zero3 --backends torch triton triton-warmup --warm-repeats 3 \
-  --out "$out/coldstart_zero3.json"
-if [ "$mode" = full ]; then
+want() { [[ "$sections" == *" $1 "* ]]; }
+if want tests; then
+  step timeout 300 python3 -m pytest -m gpu tests -q -p no:cacheprovider
+fi
+if want demo; then
+  step timeout 120 python3 -m ztriton demo --json "$out/demo.json"
+  step timeout 200 python3 bench/profile_demo.py --empty-cache --no-profile --repeats 15 --steps zero_init zero2_optimizer
+fi
+if want zero2; then
+  step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton triton-warmup --warm-repeats 6 \
+    --out "$out/coldstart_zero2.json"
+fi
+if want zero3; then
+  step timeout 180 python3 bench/bench_coldstart.py --steps zero3 --backends torch triton triton-warmup --warm-repeats 3 \
+    --out "$out/coldstart_zero3.json"
+fi
+if want warm; then
   step timeout 300 python3 bench/bench_flatten.py --device-only --keep-cache --out "$out"
   step timeout 200 python3 bench/probe_defragment.py
   step timeout 300 python3 bench/bench_kernels.py --out "$out"
