@@ -33,14 +33,14 @@ if want tests; then
 fi
 if want demo; then
   step timeout 120 python3 -m ztriton demo --json "$out/demo.json"
-  step timeout 200 python3 bench/profile_demo.py --empty-cache --no-profile --repeats 15 --steps zero_init zero2_optimizer
+  step timeout 200 python3 bench/profile_demo.py --empty-cache --repeats 15 --top 40 --steps zero_init zero2_optimizer
 fi
 if want zero2; then
   step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton triton-warmup --warm-repeats 6 \
     --out "$out/coldstart_zero2.json"
 fi
 if want zero3; then
-  step timeout 180 python3 bench/bench_coldstart.py --steps zero3 --backends torch triton triton-warmup --warm-repeats 3 \
+  step timeout 180 python3 bench/bench_coldstart.py --steps zero3 --backends torch triton --warm-repeats 4 \
     --out "$out/coldstart_zero3.json"
 fi
 if want warm; then

@@ -4,10 +4,10 @@
 
 Runs the demo's warm-up (as ``python -m ztriton demo`` does), then each step ``--repeats`` times with the key
 off and on, as rank 0 of a simulated W = 8: prints the median seconds of each, then the top functions by own
-and cumulative time of the key-on repeats under cProfile (a separate set of repeats, so the profiler's
-overhead does not enter the medians), with the CUDA allocator's counts per run (tensor allocations, and
-segments: each a ``cudaMalloc``; ``--empty-cache`` empties the cache before each run as the demo does).
-``--out`` keeps each profile (``python -m pstats``). On a machine
+time of the key-on repeats and, function by function, key on minus key off under cProfile (a separate set of
+repeats, so the profiler's overhead does not enter the medians), with the CUDA allocator's counts per run
+(tensor allocations, and segments: each a ``cudaMalloc``; ``--empty-cache`` empties the cache before each run
+as the demo does). ``--out`` keeps each profile (``python -m pstats``). On a machine
 without CUDA it runs the demo's CPU shape under the interpreter: the host-side shares still mean something.
 """
 from __future__ import annotations
@@ -97,22 +97,42 @@ def main(argv=None) -> int:
                 print(f"[profile_demo]   {backend}: {counts[-1][0]} tensor allocations, {counts[-1][1]} cudaMalloc "
                       "segments per run", flush=True)
             counts.clear()
+        profiles = {}
         for backend in () if args.no_profile else ("triton", "torch"):
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.repeats):
                 once(kind, backend)
             profile.disable()
-            stats = pstats.Stats(profile)
+            profiles[backend] = stats = pstats.Stats(profile)
             if args.out:
                 args.out.mkdir(parents=True, exist_ok=True)
                 stats.dump_stats(args.out / f"demo_{kind}_{backend}.pstats")
             if backend == "triton":
                 print(f"[profile_demo] {kind} key on, {args.repeats} repeats, by own time:", flush=True)
                 stats.sort_stats("tottime").print_stats(args.top)
-                print(f"[profile_demo] {kind} key on, by cumulative time:", flush=True)
-                stats.sort_stats("cumulative").print_stats(args.top)
+        if profiles:
+            _print_difference(kind, profiles["triton"], profiles["torch"], args.repeats, args.top)
     return 0
+
+
+def _print_difference(kind: str, on: pstats.Stats, off: pstats.Stats, repeats: int, top: int) -> None:
+    """Function by function, key on minus key off per run under cProfile (ms of cumulative and own time,
+    calls): where the key's extra host time goes, and what it saves."""
+    def name(key) -> str:
+        path, line, function = key
+        return f"{path.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{line}({function})"
+
+    rows = []
+    for key in set(on.stats) | set(off.stats):
+        a, b = off.stats.get(key, (0, 0, 0, 0, {})), on.stats.get(key, (0, 0, 0, 0, {}))
+        rows.append(((b[3] - a[3]) / repeats * 1e3, (b[2] - a[2]) / repeats * 1e3, (b[1] - a[1]) / repeats,
+                     a[3] / repeats * 1e3, b[3] / repeats * 1e3, name(key)))
+    total = sum(r[1] for r in rows)
+    print(f"[profile_demo] {kind}: key on minus key off under cProfile, per run: {total:+.2f} ms of own time; "
+          "by cumulative difference (cum, own, calls, off cum, on cum, function):", flush=True)
+    for row in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
+        print(f"  {row[0]:+8.3f} {row[1]:+8.3f} {row[2]:+7.1f} {row[3]:8.3f} {row[4]:8.3f}  {row[5]}")
 
 
 def _torch_profile(kind: str, once, args) -> None:

@@ -23,9 +23,9 @@ numels = st.one_of(st.integers(1, 9), st.sampled_from([11, 13, 17, 31, 37, 61, 9
 
 @st.composite
 def module_shapes(draw):
-    """1 to 5 params of 1 to 3 dims, some numels below the world size, primes, mixed."""
+    """1 to 11 params of 1 to 3 dims, some numels below the world size, primes, mixed."""
     shapes = []
-    for _ in range(draw(st.integers(1, 5))):
+    for _ in range(draw(st.integers(1, 11))):  # both sides of policy.PER_PARAM_COPIES
         numel = draw(numels)
         if draw(st.booleans()) and numel > 1:
             first = draw(st.sampled_from([d for d in range(1, numel + 1) if numel % d == 0]))
@@ -385,6 +385,39 @@ def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
         buffer = ztriton.partition(module, chunk_bytes=1 << 20).buffers[torch.bfloat16]
     assert_matches_reference(module, reference, 3, 2)
     assert buffer.numel() == 7 + 5 + 2
+
+
+class RawBytes(torch.nn.Module):
+    """Params of ``dtype`` holding arbitrary bytes (a bool's 2..255 too), frozen (bool cannot require grad)."""
+
+    def __init__(self, numels, dtype, seed):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        width = torch.empty(0, dtype=dtype).element_size()
+        for i, numel in enumerate(numels):
+            raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=generator)
+            self.register_parameter(f"p{i}", torch.nn.Parameter(raw.view(dtype), requires_grad=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float32, torch.complex64])
+@pytest.mark.parametrize("extra", [0, 1])
+def test_few_params_are_copied_one_by_one_more_through_one_plan(fake_world, monkeypatch, dtype, extra):
+    """Up to policy.PER_PARAM_COPIES contiguous params beside the buffer take one copy each, more take
+    one plan: the same bytes either way (every byte value of a bool), padding zeroed."""
+    import ztriton.partitioning as partitioning
+    from ztriton import policy
+
+    calls = []
+    for name in ("_copy_per_param", "pack_slices"):
+        original = getattr(partitioning, name)
+        monkeypatch.setattr(partitioning, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    numels = [(7 * i) % 11 + 1 for i in range(policy.PER_PARAM_COPIES + extra)]
+    with fake_world(3, 2):
+        module = RawBytes(numels, dtype, seed=extra)
+        full = {n: bits(p).clone() for n, p in module.named_parameters()}  # a bool's clone() would make bytes 0/1
+        ztriton.partition(module)
+    assert calls == ["pack_slices" if extra else "_copy_per_param"]
+    _check_against_source(module, full, 3, 2)
 
 
 def _check_against_source(module, full, world_size, rank):

@@ -246,11 +246,31 @@ def _copy_strided(src: torch.Tensor, start: int, count: int, out: torch.Tensor, 
 
 def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_bytes: int) -> None:
     """This rank's slices of its own tensors, straight into its buffer."""
+    if len(entries) <= policy.PER_PARAM_COPIES and all(
+            e.param.device == buffer.device and e.param.is_contiguous() for e in entries):
+        _copy_per_param(buffer, entries, rank)
+        return
     chunk_elems = max(1, chunk_bytes // buffer.element_size())
     pieces = _chunk_pieces(entries, rank, 0, buffer.numel())
     _fill(buffer, pieces, chunk_elems)
     if any(p.src.device != buffer.device for p in pieces):
         synchronize()  # a non-blocking host copy may still read its source
+
+
+def _copy_per_param(buffer: torch.Tensor, entries: list[_Entry], rank: int) -> None:
+    """Each param's valid slice by one copy, its padding zeroed (see ``policy.PER_PARAM_COPIES``). The
+    places are this module's own (``_entries_by_dtype``): disjoint and in range by construction, so no
+    plan validates them. Bytes move as bytes, as the kernels move them (a bool's other byte values too)."""
+    width = buffer.element_size()
+    out = buffer.view(torch.uint8)
+    for e in entries:
+        valid, size = e.slice.valid_numel(rank), e.slice.partition_numel
+        if valid:
+            src = e.param.data.view(-1).view(torch.uint8)
+            out.narrow(0, e.offset * width, valid * width).copy_(src.narrow(0, e.slice.rank_start(rank) * width,
+                                                                             valid * width))
+        if valid < size:
+            out.narrow(0, (e.offset + valid) * width, (size - valid) * width).zero_()
 
 
 def _staging(world: World, chunk_bytes: int, buffer: torch.Tensor):

@@ -94,13 +94,17 @@ def prepare() -> None:
     _trunc_normal_is_pointwise()
 
 
+# Frames of these are not the caller's: ztriton's own package and, by path, torch's and DeepSpeed's.
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_THEIRS = (os.sep + "torch" + os.sep, os.sep + "deepspeed" + os.sep)
+
+
 def _origin() -> str:
     """The first frame outside torch and ztriton: where the caller asked for the tensor."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not (path.startswith(here) or os.sep + "torch" + os.sep in path or os.sep + "deepspeed" + os.sep in path):
+        if not (path.startswith(_OURS) or _THEIRS[0] in path or _THEIRS[1] in path):
             return f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return ""

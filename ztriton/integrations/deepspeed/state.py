@@ -28,7 +28,7 @@ class InitState:
     # Whether this Init partitions through ztriton: None until decided (and the "partitions through ztriton" /
     # "falls back" line logged), once DeepSpeed's __init__ has fixed its settings.
     uses_ztriton: bool | None = None
-    options: Options | None = None  # settings.options with chunk_bytes and host_init_bytes resolved
+    options: Options | None = None  # settings.options with host_init_bytes resolved (chunk_bytes at the first partition)
     done_bytes: int = 0
     done_params: int = 0
     sharded_params: int = 0  # of done_params: initialised shard by shard (exact sharded init)

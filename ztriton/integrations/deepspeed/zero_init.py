@@ -98,19 +98,28 @@ def _offload_device(init) -> str | None:
 
 
 def _options(init) -> policy.Options:
-    """The Init's options with the placeholder threshold and the staging chunk picked, once per Init."""
+    """The Init's options with the placeholder threshold picked, once per Init (a probe of free memory
+    when the config does not set it)."""
     state = STATE.init(init)
     if state.options is None:
-        from ztriton.partitioning import staging_chunk_bytes  # on first use (triton only for a launch)
-
         options = state.settings.options
-        local = torch.device(init.local_device)
-        free = 0 if options.host_init_bytes is not None else memory.probe_memory(local).device_free
-        world = torch.distributed.get_world_size(init.ds_process_group)
-        chunk, _ = staging_chunk_bytes(local, world, options)
-        state.options = dataclasses.replace(options, chunk_bytes=chunk,
+        free = 0 if options.host_init_bytes is not None else memory.probe_memory(torch.device(init.local_device)).device_free
+        state.options = dataclasses.replace(options,
                                             host_init_bytes=policy.choose_host_init_bytes(free, options.host_init_bytes))
     return state.options
+
+
+def _partition_options(init) -> policy.Options:
+    """:func:`_options` with the staging chunk picked too, on the Init's first ztriton partition (an Init
+    whose parameters are all initialised shard by shard never probes for it)."""
+    options = _options(init)
+    if options.chunk_bytes is None:
+        from ztriton.partitioning import staging_chunk_bytes  # on first use (triton only for a launch)
+
+        world = torch.distributed.get_world_size(init.ds_process_group)
+        chunk, _ = staging_chunk_bytes(torch.device(init.local_device), world, options)
+        options = STATE.init(init).options = dataclasses.replace(options, chunk_bytes=chunk)
+    return options
 
 
 # ---------------------------------------------------------------------------------- a module's end
@@ -189,8 +198,9 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
         install_partitions(init, result)
         for _, _, record in items:
             recorder.release(record)
-        logger.debug("ztriton zero.Init: %d param(s) initialised shard by shard (%s)", len(items),
-                     ", ".join(r.describe() for _, _, r in items))
+        if logger.isEnabledFor(logging.DEBUG):  # describing each record costs more than the replay's launch
+            logger.debug("ztriton zero.Init: %d param(s) initialised shard by shard (%s)", len(items),
+                         ", ".join(r.describe() for _, _, r in items))
     STATE.init(init).sharded_params += len(sharded)
     _progress(STATE.init(init), len(sharded), nbytes)
 
@@ -230,6 +240,8 @@ def init_convert_to_zero_parameters(original, self, param_list):
 
 def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]) -> None:
     """Partition ``named`` as ``init`` would, one call per partition group (MoE experts have their own)."""
+    if not named:
+        return
     from ztriton.partitioning import partition_params  # on first use (triton only for a launch)
 
     nbytes = sum(p.numel() * p.dtype.itemsize for _, p in named)  # before partitioning empties them
@@ -237,7 +249,7 @@ def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]
     for name, param in named:
         group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
         buckets.setdefault(id(group), (group, []))[1].append((name, param))
-    options = _options(init)
+    options = _partition_options(init)
     local = torch.device(init.local_device)
     home = _partition_home(init)
     for group, items in buckets.values():
