@@ -10,7 +10,7 @@ of a simulated data-parallel world (torch's fake process group: every rank's lay
 * ZeRO-3 ``deepspeed.initialize``: the optimizer's flat partition buffer (``lp_param_buffer``).
 * ZeRO-2 ``deepspeed.initialize``: the optimizer's flat buffer of every param (``bit16_groups_flat``).
 
-Bytes are compared (they must be identical, run to run and path to path); each step runs three times on
+Bytes are compared (they must be identical, run to run and path to path); each step runs nine times on
 a fresh model, and the median time and the largest peak device memory are printed side by side.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ztriton.kernels import bits
 from ztriton.memory import measure_peak
 
 DTYPE = torch.bfloat16
-REPEATS = 3  # runs of each step and path; the table shows the median time
+REPEATS = 9  # runs of each step and path; the table shows the median (3 left the 10 ms rows to a few ms of noise)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ztriton import memory, policy
-from ztriton.comm import world_of
+from ztriton.comm import World, world_of
 from ztriton.integrations.deepspeed import report
 from ztriton.integrations.deepspeed.config import settings_from
 from ztriton.integrations.deepspeed.state import STATE, InitState
@@ -184,7 +184,7 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
     home = _partition_home(init)
     nbytes = 0
     for group, items in buckets.values():
-        world = world_of(group, required=True)
+        world = _world(init, group)
         agree([record for _, _, record in items], group)
         partitions = []
         for name, param, record in items:
@@ -203,6 +203,16 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
                          ", ".join(r.describe() for _, _, r in items))
     STATE.init(init).sharded_params += len(sharded)
     _progress(STATE.init(init), len(sharded), nbytes)
+
+
+def _world(init, group) -> World:
+    """The World of ``group``, once per Init and group (each query of torch.distributed costs tens of
+    microseconds, and every module's end asks)."""
+    worlds = STATE.init(init).worlds
+    world = worlds.get(id(group))
+    if world is None or world.group is not group:
+        world = worlds[id(group)] = world_of(group, required=True)
+    return world
 
 
 def _partition_home(init) -> torch.device:
@@ -253,7 +263,7 @@ def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]
     local = torch.device(init.local_device)
     home = _partition_home(init)
     for group, items in buckets.values():
-        world = world_of(group, required=True)
+        world = _world(init, group)
         _cast_like_deepspeed(items, world.size, local)
         result = partition_params(items, world, home=home, probe_device=local,
                                   pin_memory=init.pin_memory, options=options, log_level=logging.DEBUG)
