@@ -612,7 +612,7 @@ class Plan:
         if self.copies or self.fills:
             # An inference tensor as dst is written as the kernels would write it: only inside inference mode
             # (entering it costs tens of microseconds, a small zero.Init partition's copy a few).
-            with torch.inference_mode() if self.inference else nullcontext():
+            with torch.inference_mode() if self.inference else torch.no_grad():
                 for out, src in self.copies:
                     out.copy_(src)
                 for out in self.fills:
@@ -804,19 +804,41 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                      keep_alive: list) -> Plan:
     """The plan of :func:`_torch_copies_suffice`'s case: one ``copy_`` per piece, one ``zero_`` per gap.
 
-    On byte views of the flattened, detached tensors, as the kernels see them: offsets count elements of
-    dst's flattening whatever its shape, bits move unchanged (bool bytes other than 0 and 1, fp4 pairs,
-    which torch can neither convert nor fill), and autograd never sees the writes.
+    On byte views of the flattened tensors, as the kernels see them: offsets count elements of dst's
+    flattening whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, fp4 pairs, which
+    torch can neither convert nor fill). The views are made, and later written, without autograd (a
+    ``detach`` per source cost ~10 us, most of a piece's host time). Where the pieces and gaps cover dst
+    (a pack, a partition) one ``split`` cuts all of dst's views; a source copied whole needs no ``narrow``.
     """
     width = dst.element_size()
-    out = _bytes(dst)
-    copies = [(out.narrow(0, int(srcs.offset[i]) * width, int(srcs.count[i]) * width),
-               _bytes(pieces[i][0]).narrow(0, int(srcs.start[i]) * width, int(srcs.count[i]) * width))
-              for i in np.flatnonzero(srcs.count > 0).tolist()]
-    fills = [out.narrow(0, int(offset) * width, int(count) * width) for offset, count in zeros.tolist() if count > 0]
+    live = np.flatnonzero(srcs.count > 0)
+    starts, counts, offsets = ((column[live] * width).tolist() for column in (srcs.start, srcs.count, srcs.offset))
+    gaps = [(offset * width, count * width) for offset, count in zeros.tolist() if count > 0]
+    with torch.no_grad():
+        out = _bytes(dst)
+        outs = _cut(out, list(zip(offsets, counts)), gaps)
+        copies = []
+        for i, start, count, into in zip(live.tolist(), starts, counts, outs):
+            src = _bytes(pieces[i][0])
+            copies.append((into, src if start == 0 and count == src.numel() else src.narrow(0, start, count)))
+        fills = outs[len(copies):]
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
     # be written inside it again.
     return Plan([], keep_alive, [], _launch_stream(dst), copies, fills, out.is_inference())
+
+
+def _cut(out: torch.Tensor, pieces: list[tuple[int, int]], gaps: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of ``out`` at each ``(offset, length)`` of ``pieces`` then ``gaps`` (bytes), in that order: one
+    ``split`` when together they tile ``out`` (they are disjoint, as validated), else a ``narrow`` each."""
+    segments = pieces + gaps
+    if sum(length for _, length in segments) != out.numel():
+        return [out.narrow(0, offset, length) for offset, length in segments]
+    order = sorted(range(len(segments)), key=lambda k: segments[k][0])
+    views = out.split([segments[k][1] for k in order])
+    placed = [None] * len(segments)
+    for k, view in zip(order, views):
+        placed[k] = view
+    return placed
 
 
 def _launch_stream(dst: torch.Tensor):
@@ -825,8 +847,9 @@ def _launch_stream(dst: torch.Tensor):
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements, row-major, as a flat uint8 view (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8)
+    """A dense tensor's elements, row-major, as a flat uint8 view (no copy); call it without autograd
+    (``torch.no_grad``) for a tensor that requires grad."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
