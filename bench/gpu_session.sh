@@ -8,13 +8,17 @@
 # * Every .py of torch's site-packages, the wheels and this tree is compiled first: a machine without .pyc
 #   compiles torch._dynamo, sympy, ... from source inside deepspeed.initialize (3-4 s per process, ~1 s of
 #   spread), which made session 4's fresh-process figures worthless.
-# * Sections (default: tests demo zero2 zero3; one device call holds at most 10 minutes, so split them):
+# * Sections (default: tests demo zero2 zero3, whose time limits add up to more than one 10-minute device call:
+#   split them):
 #   tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the fresh-process cells), warm (the
 #   warm-process benchmarks of issue 15: flatten device tier, defragment probe, kernels' single-call figures).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm]}
 shift
 sections=" ${*:-tests demo zero2 zero3} "
+for section in $sections; do
+  case $section in tests|demo|zero2|zero3|warm) ;; *) echo "unknown section '$section' (tests demo zero2 zero3 warm)" >&2; exit 2;; esac
+done
 mkdir -p "$out"
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

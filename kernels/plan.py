@@ -847,8 +847,8 @@ def _launch_stream(dst: torch.Tensor):
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements, row-major, as a flat uint8 view (no copy); call it without autograd
-    (``torch.no_grad``) for a tensor that requires grad."""
+    """A dense tensor's elements, row-major, as a flat uint8 view (no copy). Its callers make it under
+    ``torch.no_grad``: a tensor that requires grad then gets no autograd view bookkeeping."""
     return t.reshape(-1).view(torch.uint8)
 
 

@@ -325,6 +325,20 @@ def test_errors_leave_params_intact(fake_world):
         ztriton.partition(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+def test_lazy_conjugate_or_negated_param_refused_naming_it(fake_world, lazy):
+    """Its memory holds other values than it reads as: refused before anything is copied, few params or many."""
+    for count in (1, 9):
+        module = torch.nn.Module()
+        for i in range(count):
+            value = torch.randn(6, dtype=torch.complex64)
+            view = value.conj() if lazy == "conj" else torch._neg_view(value)
+            module.register_parameter(f"p{i}", torch.nn.Parameter(view, requires_grad=False))
+        with fake_world(2, 1), pytest.raises(ValueError, match="'p0' is a lazy conjugate or negated view"):
+            ztriton.partition(module)
+        assert not hasattr(module.p0, "ds_id")
+
+
 def test_sparse_param_refused_naming_it(fake_world):
     with fake_world(2, 0):
         module = _arange_module(0, sparse=True)
@@ -388,14 +402,18 @@ def test_torch_copy_path_matches_zero_init(fake_world, monkeypatch):
 
 
 class RawBytes(torch.nn.Module):
-    """Params of ``dtype`` holding arbitrary bytes (a bool's 2..255 too), frozen (bool cannot require grad)."""
+    """Params of ``dtype`` holding arbitrary bytes (a bool's 2..255 too), frozen (bool cannot require grad),
+    on DeepSpeed's accelerator: where ztriton.partition puts the buffer, so the per-param path can apply."""
 
     def __init__(self, numels, dtype, seed):
+        from deepspeed.accelerator import get_accelerator
+
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
         width = torch.empty(0, dtype=dtype).element_size()
+        device = get_accelerator().current_device_name()
         for i, numel in enumerate(numels):
-            raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=generator)
+            raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=generator).to(device)
             self.register_parameter(f"p{i}", torch.nn.Parameter(raw.view(dtype), requires_grad=False))
 
 

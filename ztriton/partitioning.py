@@ -168,6 +168,9 @@ def _check_params(named: list[tuple[str, torch.nn.Parameter]]) -> None:
         if p.device.type == "meta":
             raise ValueError(f"parameter {name!r} is on the meta device and holds no values: materialise the module "
                              "first (e.g. module.to_empty(device='cpu') and load its weights)")
+        if p.is_conj() or p.is_neg():
+            raise ValueError(f"parameter {name!r} is a lazy conjugate or negated view whose memory holds other values "
+                             "than it reads as; resolve it first (param.data = param.data.resolve_conj().resolve_neg())")
         if p.dim() == 0:
             raise ValueError(f"parameter {name!r} is 0-dimensional; DeepSpeed ZeRO-3 cannot hold scalars "
                              "(its broadcast views parameters as bytes): make it shape [1]")
