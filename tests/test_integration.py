@@ -135,6 +135,63 @@ class Experts(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(width)
 
 
+class TwoGroups(torch.nn.Module):
+    """A param partitioned over the whole world beside one over an expert-parallel subgroup (DeepSpeed's
+    ``ds_zero_partition_process_group``), each below and above the placeholder threshold."""
+
+    def __init__(self, subgroup):
+        super().__init__()
+        for name, numel in (("shared", 10), ("expert", 10), ("big_shared", 300), ("big_expert", 300)):
+            param = torch.nn.Parameter(torch.empty(numel))
+            if "expert" in name:
+                param.ds_zero_partition_process_group = subgroup
+            torch.nn.init.normal_(param)
+            self.register_parameter(name, param)
+
+
+def test_params_of_two_partition_groups_in_one_init(fake_world):
+    """Each param is partitioned over its own group, as DeepSpeed does: over 4 ranks, or over the 2 of its
+    expert-parallel subgroup (the Init asks each group's size and rank once, and must not mix them up)."""
+    got = {}
+    for backend in ("torch", "triton"):
+        with fake_world(4, 1):
+            subgroup = torch.distributed.new_group([0, 1])
+            torch.manual_seed(5)
+            with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 512})):
+                model = TwoGroups(subgroup)
+            got[backend] = {n: (p.ds_tensor.numel(), valid_prefix(p, 1).clone()) for n, p in model.named_parameters()}
+    assert {n: numel for n, (numel, _) in got["triton"].items()} == \
+        {"shared": 3, "expert": 5, "big_shared": 75, "big_expert": 150}
+    for name, (numel, values) in got["torch"].items():
+        assert got["triton"][name][0] == numel and torch.equal(got["triton"][name][1], values), name
+
+
+def test_an_init_of_placeholders_only_never_probes_for_a_staging_chunk(fake_world, monkeypatch):
+    """The staging chunk serves the partition path only: an Init whose params are all initialised shard by
+    shard does not probe free memory to size it; one with ordinary params probes once (the threshold is
+    configured, so nothing else probes)."""
+    from ztriton import memory
+
+    asked = []
+    original = memory.probe_memory
+    monkeypatch.setattr(memory, "probe_memory", lambda *a: asked.append(a) or original(*a))
+    class Drawn(torch.nn.Module):
+        def __init__(self, *numels):
+            super().__init__()
+            for i, numel in enumerate(numels):
+                self.register_parameter(f"p{i}", torch.nn.Parameter(torch.nn.init.normal_(torch.empty(numel))))
+
+    with fake_world(2, 0):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 64})):
+            model = Drawn(100, 50)  # 400 and 200 bytes asked (fp32): placeholders
+        assert asked == [] and model.p0.ds_tensor.numel() == 50
+        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 64})):
+            Drawn(100)
+            Drawn(3, 5)  # 12 and 20 bytes: below the threshold, ordinary params
+            Drawn(4)
+        assert len(asked) == 1
+
+
 def test_unsupported_mode_falls_back_with_one_log_line(fake_world, caplog):
     """hpZ (secondary partitions) is DeepSpeed's alone: the key logs that and DeepSpeed partitions."""
     extra = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
