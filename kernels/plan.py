@@ -583,7 +583,7 @@ class Plan:
     stream: Any = None
     copies: list = field(default_factory=list)  # (out, src) views for torch's copy_ (Tuning.torch_pieces)
     fills: list = field(default_factory=list)  # views of dst for torch's zero_
-    inference: bool = False  # dst is an inference tensor: the copies and fills run in inference mode
+    inference: bool = False  # the views are inference tensors (made in inference mode): written only inside it
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
@@ -610,8 +610,8 @@ class Plan:
 
     def _launch_all(self) -> None:
         if self.copies or self.fills:
-            # An inference tensor as dst is written as the kernels would write it: only inside inference mode
-            # (entering it costs tens of microseconds, a small zero.Init partition's copy a few).
+            # Views made in inference mode may be written only inside it (entering it costs tens of microseconds,
+            # a small zero.Init partition's copy a few); the others without autograd, as the kernels write.
             with torch.inference_mode() if self.inference else torch.no_grad():
                 for out, src in self.copies:
                     out.copy_(src)
@@ -806,8 +806,8 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
 
     On byte views of the flattened tensors, as the kernels see them: offsets count elements of dst's
     flattening whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, fp4 pairs, which
-    torch can neither convert nor fill). The views are made, and later written, without autograd (a
-    ``detach`` per source cost ~10 us, most of a piece's host time). Where the pieces and gaps cover dst
+    torch can neither convert nor fill). The views are made, and later written, without autograd (so no
+    ``detach`` per source). Where the pieces and gaps cover dst
     (a pack, a partition) one ``split`` cuts all of dst's views; a source copied whole needs no ``narrow``.
     """
     width = dst.element_size()

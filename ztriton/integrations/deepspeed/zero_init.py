@@ -116,8 +116,8 @@ def _partition_options(init) -> policy.Options:
     if options.chunk_bytes is None:
         from ztriton.partitioning import staging_chunk_bytes  # on first use (triton only for a launch)
 
-        world = torch.distributed.get_world_size(init.ds_process_group)
-        chunk, _ = staging_chunk_bytes(torch.device(init.local_device), world, options)
+        world = _world(init, init.ds_process_group)
+        chunk, _ = staging_chunk_bytes(torch.device(init.local_device), world.size, options)
         options = STATE.init(init).options = dataclasses.replace(options, chunk_bytes=chunk)
     return options
 
