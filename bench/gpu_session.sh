@@ -11,13 +11,15 @@
 # * Sections (default: tests demo zero2 zero3, whose time limits add up to more than one 10-minute device call:
 #   split them):
 #   tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the fresh-process cells), warm (the
-#   warm-process benchmarks of issue 15: flatten device tier, defragment probe, kernels' single-call figures).
+#   warm-process benchmarks of issue 15: flatten device tier, defragment probe, kernels' single-call figures),
+#   paths (probe_copy_paths: which copy a warm-process flatten should take), tiers (the flatten's evict and host
+#   tiers and the defragment's evict tier against the pinned-copy floor).
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm]}
+out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm] [paths] [tiers]}
 shift
 sections=" ${*:-tests demo zero2 zero3} "
 for section in $sections; do
-  case $section in tests|demo|zero2|zero3|warm) ;; *) echo "unknown section '$section' (tests demo zero2 zero3 warm)" >&2; exit 2;; esac
+  case $section in tests|demo|zero2|zero3|warm|paths|tiers) ;; *) echo "unknown section '$section' (tests demo zero2 zero3 warm paths tiers)" >&2; exit 2;; esac
 done
 mkdir -p "$out"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -49,6 +51,13 @@ if want zero3; then
 fi
 if want warm; then
   step timeout 300 python3 bench/bench_flatten.py --device-only --keep-cache --out "$out"
-  step timeout 200 python3 bench/probe_defragment.py
+  step timeout 200 python3 bench/probe_defragment.py --out "$out/defragment_probe.json"
   step timeout 300 python3 bench/bench_kernels.py --out "$out"
+fi
+if want paths; then
+  step timeout 240 python3 bench/probe_copy_paths.py --profile --out "$out/copy_paths.json"
+fi
+if want tiers; then
+  step timeout 300 python3 bench/bench_flatten.py --sizes 8.6 --keep-cache --name flatten_h200_tiers --out "$out"
+  step timeout 200 python3 bench/probe_defragment.py --out "$out/defragment_probe.json"
 fi
