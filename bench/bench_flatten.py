@@ -1,6 +1,7 @@
 """ZeRO-1/2 flatten on one GPU: ztriton.flatten_groups' tiers against DeepSpeed's two paths.
 
-``python bench/bench_flatten.py [--out DIR] [--sizes 8.6 40] [--skip-host] [--device-only] [--keep-cache] [--smoke]``
+``python bench/bench_flatten.py [--out DIR] [--sizes 8.6 40] [--skip-host] [--device-only] [--keep-cache]
+[--kernels-loaded] [--smoke]``
 
 One optimizer group of bf16 params, the LLM mix (200 x [4096, 4096], 400 x [4096], 2 x [151936, 4096],
 8.6 GiB) and a 40 GiB version (1200 x [4096, 4096], 2400 x [4096], 2 x [151936, 4096]), laid out as
@@ -254,9 +255,28 @@ def device_breakdown(shapes, layout, entry) -> None:
     del params, flat, ordered, plan
     free_memory()  # before the host-only call's own params and buffer: 40 GiB twice over would not fit
     row["host_only_ms"] = _host_only_ms(shapes)
+    row["fresh_allocation_ms"] = _fresh_allocation_ms(layout.total_numel)
     print(f"   {'  of which':26s} probe {row['probe_ms']:.2f} ms, plan + pack {row['pack_plan_and_launch_ms']:.2f} ms "
           f"(kernels {row['pack_kernel_ms']:.2f} ms), the rest {row['other_ms']:.2f} ms; the whole call with "
-          f"launches skipped {row['host_only_ms']:.2f} ms", flush=True)
+          f"launches skipped {row['host_only_ms']:.2f} ms; a fresh flat buffer ({layout.total_numel * 2 / GiB:.1f} GiB, "
+          f"cudaMalloc) {row['fresh_allocation_ms']:.2f} ms", flush=True)
+
+
+def _fresh_allocation_ms(numel: int) -> float:
+    """Milliseconds of allocating the flat buffer from an emptied cache (a cudaMalloc): part of every
+    flatten's call, DeepSpeed's too, wherever the allocator holds no free block that large. Median of 3."""
+    if not CUDA:
+        return 0.0
+    samples = []
+    for _ in range(3):
+        free_memory()
+        start = time.perf_counter()
+        flat = torch.empty(numel, dtype=DTYPE, device=DEVICE)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+        del flat
+    free_memory()
+    return statistics.median(samples)
 
 
 def pinned_floor_seconds(nbytes: int) -> float:
@@ -327,6 +347,18 @@ def _device_ratios(entry: dict, nbytes: int, copy_bw: float) -> None:
         entry[label]["gbps"] = gbps(2 * nbytes, entry[label]["seconds"] * 1e3)
         entry[label]["ratio_to_copy"] = entry[label]["gbps"] / copy_bw
     entry["device_over_deepspeed"] = entry["ztriton_device"]["seconds"] / entry["deepspeed_device"]["seconds"]
+    # No flatten can beat copying the group once at copy bandwidth, and when the allocator has no block that
+    # large, allocating the buffer first (both paths do): the floor, as a fraction of DeepSpeed's time.
+    row = entry["ztriton_device"]
+    copy_ms = 2 * nbytes / (copy_bw * 1e9) * 1e3
+    entry["copy_floor_ms"] = copy_ms
+    entry["copy_floor_over_deepspeed"] = copy_ms / (entry["deepspeed_device"]["seconds"] * 1e3)
+    if row.get("fresh_allocation_ms"):
+        entry["allocation_and_copy_floor_over_deepspeed"] = \
+            (copy_ms + row["fresh_allocation_ms"]) / (entry["deepspeed_device"]["seconds"] * 1e3)
+    print(f"   ztriton_device / deepspeed_device {entry['device_over_deepspeed']:.2f}x; floor: one copy "
+          f"{copy_ms:.2f} ms ({entry['copy_floor_over_deepspeed']:.2f}x DeepSpeed), with a fresh buffer's "
+          f"allocation {entry.get('allocation_and_copy_floor_over_deepspeed', 0):.2f}x", flush=True)
 
 
 def summary(figures: dict) -> None:
@@ -361,13 +393,22 @@ def main() -> None:
     parser.add_argument("--keep-cache", action="store_true",
                         help="keep the CUDA allocator's cache between calls (warm process); default: empty it")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too")
+    parser.add_argument("--kernels-loaded", action="store_true",
+                        help="load the kernels first (a process that has launched one, e.g. with warm_up_kernels); "
+                             "by default none is loaded and jobs of up to plan.BEFORE_LOAD_PIECES contiguous pieces "
+                             "take torch copies, as in a process that only flattens")
     args = parser.parse_args()
     KEEP_CACHE[0] = args.keep_cache
+    if args.kernels_loaded and CUDA:
+        from ztriton.kernels.warmup import warm_up
+
+        warm_up(torch.device(DEVICE, torch.cuda.current_device()))
     if not CUDA and not args.smoke:
         parser.error("needs a CUDA device (or --smoke)")
     started = time.perf_counter()
     copy_bw = torch_copy_gbps((2 << 30) if not args.smoke else (16 << 20))
-    figures = {"torch_copy_gbps": copy_bw, "cuda_cache_kept_between_calls": args.keep_cache}
+    figures = {"torch_copy_gbps": copy_bw, "cuda_cache_kept_between_calls": args.keep_cache,
+               "kernels_loaded_first": args.kernels_loaded}
     print(f"torch copy_: {copy_bw:.0f} GB/s", flush=True)
     with simulated_world(WORLD, RANK):
         run_case("warmup", SMOKE_SHAPES, {}, copy_bw, 0, 0, args.skip_host)  # Triton compiles here

@@ -51,6 +51,8 @@ if want zero3; then
 fi
 if want warm; then
   step timeout 300 python3 bench/bench_flatten.py --device-only --keep-cache --out "$out"
+  step timeout 300 python3 bench/bench_flatten.py --device-only --keep-cache --kernels-loaded \
+    --name flatten_h200_kernels_loaded --out "$out"
   step timeout 200 python3 bench/probe_defragment.py --out "$out/defragment_probe.json"
   step timeout 300 python3 bench/bench_kernels.py --out "$out"
 fi

@@ -50,7 +50,7 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
     flat buffer. Every element of the window is written exactly once. Returns ``dst``.
     """
-    pack_plan(dst, sources, offsets, window).launch()
+    run_plan(dst, *pack_pieces(dst, sources, offsets, window))
     return dst
 
 

@@ -28,7 +28,7 @@ import torch
 
 from .descriptor import DESC_HEAD, MAX_DIMS
 
-__all__ = ["Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "byte_extents", "check_dst",
+__all__ = ["PackPieces", "Piece", "Plan", "Tuning", "as_index", "as_sequence", "byte_extent", "byte_extents", "check_dst",
            "interpreted", "KERNELS_ONLY", "make_plan", "pack_pieces", "run_plan", "runs_on", "slices_to_pieces",
            "uncovered", "validate"]
 
@@ -79,6 +79,27 @@ class Piece(NamedTuple):
     start: int
     count: int
     offset: int
+
+
+class PackPieces(Sequence):
+    """Pieces whose ranges are already int64 columns (:func:`pack_pieces`, :func:`slices_to_pieces`) and whose
+    sources are known to be tensors, so that validation reads each source's attributes once instead of
+    re-deriving the ranges from thousands of tuples. Indexing gives the :class:`Piece`."""
+
+    def __init__(self, sources: list, start: np.ndarray, count: np.ndarray, offset: np.ndarray, numel: np.ndarray):
+        self.sources, self.start, self.count, self.offset, self.numel = sources, start, count, offset, numel
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return Piece(self.sources[i], int(self.start[i]), int(self.count[i]), int(self.offset[i]))
+
+
+def _sources_of(pieces: Sequence[Piece]) -> list:
+    return pieces.sources if isinstance(pieces, PackPieces) else [p[0] for p in pieces]
 
 
 def runs_on(device: torch.device) -> bool:
@@ -237,12 +258,19 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
     Each comprehension reads one attribute of every source (~0.1 us each): a flatten's or defragment's
     600 pieces cost ~0.4 ms here against ~1 ms one piece at a time.
     """
-    if not pieces or dst.dtype.is_complex or not all(isinstance(p, tuple) and len(p) == 4 for p in pieces):
+    if not pieces or dst.dtype.is_complex:
         return None
-    srcs, starts, counts, offsets = zip(*pieces)
-    if not all(issubclass(kind, torch.Tensor) for kind in {type(s) for s in srcs}) or \
-            {type(v) for v in starts + counts + offsets} != {int}:
-        return None
+    if isinstance(pieces, PackPieces):  # sources checked to be tensors, ranges integers (pack_pieces)
+        srcs = pieces.sources
+        ranges = np.stack([pieces.start, pieces.count, pieces.offset])
+    else:
+        if not all(isinstance(p, tuple) and len(p) == 4 for p in pieces):
+            return None
+        srcs, starts, counts, offsets = zip(*pieces)
+        if not all(issubclass(kind, torch.Tensor) for kind in {type(s) for s in srcs}) or \
+                {type(v) for v in starts + counts + offsets} != {int}:
+            return None
+        ranges = None
     if {s.dtype for s in srcs} != {dst.dtype} or {s.layout for s in srcs} != {torch.strided}:
         return None
     devices = {s.device for s in srcs}
@@ -250,15 +278,16 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
         return None
     if not all([s.is_contiguous() for s in srcs]) or any([s.is_neg() for s in srcs]):
         return None
-    try:
-        ranges = np.array((starts, counts, offsets), dtype=np.int64)
-    except OverflowError:
-        return None
-    if not _within_index_limit(ranges):
-        return None
+    if ranges is None:
+        try:
+            ranges = np.array((starts, counts, offsets), dtype=np.int64)
+        except OverflowError:
+            return None
+        if not _within_index_limit(ranges):
+            return None
     local = np.ones(len(srcs), dtype=bool) if devices == {dst.device} else \
         np.array([s.device == dst.device for s in srcs], dtype=bool)
-    numel = np.array([s.numel() for s in srcs], dtype=np.int64)
+    numel = pieces.numel if isinstance(pieces, PackPieces) else np.array([s.numel() for s in srcs], dtype=np.int64)
     lo = np.array([s.data_ptr() for s in srcs], dtype=np.int64)
     return _Sources(*ranges, numel, lo, lo + numel * dst.element_size(), contiguous=np.ones(len(srcs), dtype=bool),
                     local=local)
@@ -562,6 +591,11 @@ class Tuning:
     # params, bench/models.py's LLM-mix blocks 12) and most loader jobs are this small. The kernels earn their keep on hundreds of pieces (flatten, defragment) and on
     # strided sources. 0: always launch the kernels (the kernel tests and benchmarks use it).
     torch_pieces: int = 16
+    # In such torch copies, a piece of at least this many bytes gets a copy_ of its own (a memcpy at copy
+    # bandwidth: 16 MiB moves in ~8 us on an H200, about the host time of one copy_ call, so the device is the
+    # bound); the smaller ones go in one torch._foreach_copy_ per word width (~1 us of host time each against
+    # ~8 us for a copy_, at ~0.7x copy bandwidth: bench/results/copy_paths_h200_s7a.json).
+    own_copy_bytes: int = 16 << 20
 
 
 # Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
@@ -582,8 +616,14 @@ class Plan:
     tables: list = field(default_factory=list)
     stream: Any = None
     copies: list = field(default_factory=list)  # (out, src) views for torch's copy_ (Tuning.torch_pieces)
+    batches: list = field(default_factory=list)  # (outs, srcs) lists of views for one torch._foreach_copy_ each
     fills: list = field(default_factory=list)  # views of dst for torch's zero_
     inference: bool = False  # the views are inference tensors (made in inference mode): written only inside it
+
+    @property
+    def torch_copies(self) -> bool:
+        """Whether this plan copies with torch (copy_, _foreach_copy_, zero_) instead of launching kernels."""
+        return bool(self.copies or self.batches or self.fills)
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
@@ -603,26 +643,38 @@ class Plan:
                 self._launch_all()
 
     def _interpreter_turn(self):
-        """The interpreter's lock for any plan once kernels run under it (a launch on CUDA tensors copies dst's
-        whole storage to the host and back: torch's copies beside it would be lost); nothing where triton is not
-        even imported yet, since then no kernel can be running."""
-        return _INTERPRETER_LOCK if (self.launches or _jit_imported()) and interpreted() else nullcontext()
+        """The interpreter's lock for a plan that launches kernels under it; a torch-only plan's turn otherwise."""
+        return _INTERPRETER_LOCK if self.launches and interpreted() else _torch_turn()
+
+    def copy_with_torch(self) -> None:
+        """The torch part: each own copy, each batch's ``_foreach_copy_``, one ``_foreach_zero_`` of the gaps
+        (in the caller's autograd mode)."""
+        for out, src in self.copies:
+            out.copy_(src)
+        for outs, srcs in self.batches:
+            torch._foreach_copy_(outs, srcs)
+        if self.fills:
+            torch._foreach_zero_(self.fills)
 
     def _launch_all(self) -> None:
-        if self.copies or self.fills:
+        if self.torch_copies:
             # Views made in inference mode may be written only inside it (entering it costs tens of microseconds,
             # a small zero.Init partition's copy a few); the others without autograd, as the kernels write.
             with torch.inference_mode() if self.inference else torch.no_grad():
-                for out, src in self.copies:
-                    out.copy_(src)
-                for out in self.fills:
-                    out.zero_()
+                self.copy_with_torch()
         if self.launches and self.stream is not None:
             _await_warm_up(self.stream.device)
         for kernel, grid, args, kwargs in self.launches:
             kernel[grid](*args, **kwargs)
         if self.launches and self.stream is not None:
             LOADED.add(self.stream.device.index)
+
+
+def _torch_turn():
+    """The interpreter's lock for torch's copies once kernels may run under it (a launch on CUDA tensors copies
+    dst's whole storage to the host and back: torch's copies beside it would be lost); nothing where triton is not
+    even imported yet, since then no kernel can be running."""
+    return _INTERPRETER_LOCK if _jit_imported() and interpreted() else nullcontext()
 
 
 # Background warm-ups in flight, by CUDA device index (kernels/warmup.py registers them here).
@@ -728,16 +780,19 @@ def _as_word_pairs(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, z
 
 
 def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              tuning: Tuning = Tuning(), what: str = "sources") -> Plan:
+              tuning: Tuning = Tuning(), what: str = "sources", run_now: bool = False) -> Plan:
     """Validate, then build the launches that copy every piece into ``dst`` and zero ``zero_ranges``.
 
     ``zero_ranges`` are ``(offset, count)`` in elements of dst. On any error nothing is written.
+    ``run_now`` (for :func:`run_plan`): torch copies are issued as they are planned, so the device starts
+    on the first piece while the host makes the views of the rest; the plan returned then has nothing left
+    to launch.
     """
     srcs, zeros = validate(dst, pieces, zero_ranges, what=what)
     _check_launchable(dst)
-    keep_alive = [dst, *(p[0] for p in pieces)]
+    keep_alive = [dst, *_sources_of(pieces)]
     if _torch_copies_suffice(srcs, tuning, dst.device):
-        return _torch_copy_plan(dst, pieces, srcs, zeros, keep_alive)
+        return _torch_copy_plan(dst, pieces, srcs, zeros, keep_alive, tuning, run_now)
     if dst.element_size() not in _ITEMSIZES:
         if not dst.dtype.is_complex:
             raise TypeError(f"dst has dtype {dst.dtype} of {dst.element_size()} bytes, which the kernels do not move")
@@ -801,35 +856,81 @@ def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) 
 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,
-                     keep_alive: list) -> Plan:
-    """The plan of :func:`_torch_copies_suffice`'s case: one ``copy_`` per piece, one ``zero_`` per gap.
+                     keep_alive: list, tuning: Tuning, run_now: bool = False) -> Plan:
+    """The plan of :func:`_torch_copies_suffice`'s case: torch copies each piece, and zeroes each gap.
 
-    On byte views of the flattened tensors, as the kernels see them: offsets count elements of dst's
-    flattening whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, fp4 pairs, which
-    torch can neither convert nor fill). The views are made, and later written, without autograd (so no
-    ``detach`` per source). Where the pieces and gaps cover dst
-    (a pack, a partition) one ``split`` cuts all of dst's views; a source copied whole needs no ``narrow``.
+    On integer views of the flattened tensors (the widest word that every destination range, and the piece's
+    source, is aligned to; bytes at worst), as the kernels see them: offsets count elements of dst's flattening
+    whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, NaN payloads, fp4 pairs, which
+    torch would convert, canonicalise or refuse as their own dtypes). A piece of ``Tuning.own_copy_bytes`` or
+    more gets a ``copy_`` of its own, the rest one ``torch._foreach_copy_`` per word width, the gaps one
+    ``torch._foreach_zero_``. The views are made, and later written, without autograd (so no ``detach`` per
+    source). Where the pieces and gaps cover dst (a pack, a partition) one ``split`` cuts all of dst's views; a
+    source copied whole needs no ``narrow``. ``run_now``: each own copy is issued as soon as its views exist,
+    the rest at the end, in the mode the views were made in; nothing is left to launch.
     """
     width = dst.element_size()
     live = np.flatnonzero(srcs.count > 0)
-    starts, counts, offsets = ((column[live] * width).tolist() for column in (srcs.start, srcs.count, srcs.offset))
-    gaps = [(offset * width, count * width) for offset, count in zeros.tolist() if count > 0]
-    with torch.no_grad():
-        out = _bytes(dst)
-        outs = _cut(out, list(zip(offsets, counts)), gaps)
-        copies = []
-        for i, start, count, into in zip(live.tolist(), starts, counts, outs):
-            src = _bytes(pieces[i][0])
-            copies.append((into, src if start == 0 and count == src.numel() else src.narrow(0, start, count)))
-        fills = outs[len(copies):]
+    starts, counts, offsets, numels = (column[live] * width for column in (srcs.start, srcs.count, srcs.offset,
+                                                                            srcs.numel))
+    gaps = zeros[zeros[:, 1] > 0] * width
+    word = _common_word(np.concatenate([offsets, counts, gaps.reshape(-1),
+                                       [dst.storage_offset() * width, dst.numel() * width]]))
+    words = _INT_OF_WIDTH[word]
+    every = _sources_of(pieces)
+    sources = [every[i] for i in live.tolist()]
+    # A source viewed as words must start on a word in its storage, hold whole words, and the piece start on one;
+    # the others (rare: a slice at an odd element) move as bytes.
+    first = np.array([s.storage_offset() for s in sources], dtype=np.int64) * width
+    aligned = ((first | numels | starts) % word == 0).tolist()
+    whole = ((starts == 0) & (counts == numels)).tolist()
+    own = (counts >= tuning.own_copy_bytes).tolist()
+    retype = words != dst.dtype
+    with _torch_turn() if run_now else nullcontext(), torch.no_grad():
+        out = _bytes(dst).view(words)
+        outs = _cut(out, list(zip((offsets // word).tolist(), (counts // word).tolist())),
+                    [(offset // word, count // word) for offset, count in gaps.tolist()])
+        copies, batches = [], {}
+        for k, (src, start, count, into) in enumerate(zip(sources, starts.tolist(), counts.tolist(), outs)):
+            view = src if src.dim() == 1 else src.view(-1)
+            if aligned[k]:
+                view, unit = (view.view(words) if retype else view), word
+            else:
+                view, into, unit = view.view(torch.uint8), into.view(torch.uint8), 1
+            if not whole[k]:
+                view = view.narrow(0, start // unit, count // unit)
+            if own[k]:
+                if run_now:
+                    into.copy_(view)
+                else:
+                    copies.append((into, view))
+            else:
+                batch = batches.setdefault(unit, ([], []))
+                batch[0].append(into)
+                batch[1].append(view)
+        fills = outs[len(sources):]
+        if run_now:
+            plan = Plan([], keep_alive, [], _launch_stream(dst), [], list(batches.values()), fills)
+            plan.copy_with_torch()
+            return Plan([], keep_alive, [], _launch_stream(dst))
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
     # be written inside it again.
-    return Plan([], keep_alive, [], _launch_stream(dst), copies, fills, out.is_inference())
+    return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference())
+
+
+# Integer dtypes by width in bytes: the views torch copies through (integer copies never convert a bit).
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _common_word(byte_values: np.ndarray) -> int:
+    """The widest of 8, 4, 2, 1 bytes that divides every value."""
+    bits = int(np.bitwise_or.reduce(byte_values.astype(np.int64))) if len(byte_values) else 0
+    return next(w for w in (8, 4, 2, 1) if bits % w == 0)
 
 
 def _cut(out: torch.Tensor, pieces: list[tuple[int, int]], gaps: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Views of ``out`` at each ``(offset, length)`` of ``pieces`` then ``gaps`` (bytes), in that order: one
-    ``split`` when together they tile ``out`` (they are disjoint, as validated), else a ``narrow`` each."""
+    """Views of ``out`` at each ``(offset, length)`` of ``pieces`` then ``gaps`` (elements of ``out``), in that
+    order: one ``split`` when together they tile ``out`` (they are disjoint, as validated), else a ``narrow`` each."""
     segments = pieces + gaps
     if sum(length for _, length in segments) != out.numel():
         return [out.narrow(0, offset, length) for offset, length in segments]
@@ -854,8 +955,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
              what: str = "sources") -> None:
-    """Copy every piece into ``dst`` and write zeros over ``zero_ranges``: :func:`make_plan`, launched."""
-    make_plan(dst, pieces, zero_ranges, what=what).launch()
+    """Copy every piece into ``dst`` and write zeros over ``zero_ranges``: :func:`make_plan`, launched (torch
+    copies as they are planned)."""
+    make_plan(dst, pieces, zero_ranges, what=what, run_now=True).launch()
 
 
 def _gaps(begin: np.ndarray, end: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -880,15 +982,20 @@ def uncovered(covered: Sequence[tuple[int, int]], begin: int, end: int) -> list[
 
 
 def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]
-                     ) -> tuple[list[Piece], np.ndarray]:
+                     ) -> tuple[Sequence[Piece], np.ndarray]:
     """``(src, start, count, offset)`` slices as pieces, and the ranges of ``dst`` they leave to zero."""
     check_dst(dst)
     slices = as_sequence("slices", slices)
     columns = _plain_slices(slices)
     if columns is not None:
-        pieces = list(slices)  # the common case: already what a piece is (each source is checked by validate)
         offsets, counts = columns[:, 2], columns[:, 1]
-        return pieces, _gaps(offsets, offsets + np.maximum(counts, 0), 0, dst.numel())
+        zeros = _gaps(offsets, offsets + np.maximum(counts, 0), 0, dst.numel())
+        sources = [s[0] for s in slices]
+        if not all(isinstance(src, torch.Tensor) for src in sources):
+            return list(slices), zeros  # validate names the culprit
+        # The common case: columns as a pack's, so that validation reads each source's attributes once.
+        return PackPieces(sources, columns[:, 0], counts, offsets,
+                          np.array([src.numel() for src in sources], dtype=np.int64)), zeros
     pieces = []
     for i, s in enumerate(slices):
         if isinstance(s, torch.Tensor) or not isinstance(s, (tuple, list)) or len(s) != 4:
@@ -915,7 +1022,7 @@ def _plain_slices(slices: Sequence) -> np.ndarray | None:
 
 
 def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-                window: tuple[int, int] | None = None) -> tuple[list[tuple], np.ndarray]:
+                window: tuple[int, int] | None = None) -> tuple[PackPieces, np.ndarray]:
     """The pieces and zero ranges of a pack: ``sources`` (flattened row-major) at element ``offsets``
     of a flat layout, zeros elsewhere; with ``window=(w0, w1)`` only elements ``[w0, w1)`` of that
     layout, written to ``dst[: w1 - w0]``. Checks the arguments of the pack itself; the pieces are
@@ -953,8 +1060,6 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     # Each source's part inside the window; sources outside it still get validated, as empty pieces.
     lo, hi = np.maximum(begin, w0), np.minimum(end, w1)
     inside = lo < hi
-    start = np.where(inside, lo - begin, 0).tolist()
-    count = np.where(inside, hi - lo, 0).tolist()
-    offset = np.where(inside, lo - w0, 0).tolist()
-    pieces = list(zip(sources, start, count, offset))  # plain (src, start, count, offset) tuples: cheaper than Pieces
+    pieces = PackPieces(list(sources), np.where(inside, lo - begin, 0), np.where(inside, hi - lo, 0),
+                        np.where(inside, lo - w0, 0), end - begin)
     return pieces, _gaps(lo[inside] - w0, hi[inside] - w0, 0, w1 - w0)

@@ -403,14 +403,19 @@ def test_tables_keep_pointer_arguments_16_byte_aligned():
 @FAST
 @given(data=st.data(), dtype=st.sampled_from(ALL_DTYPES + [torch.complex64]))
 def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, dtype):
-    """Up to ``Tuning.torch_pieces`` contiguous pieces: torch's copy_ and zero_ instead of a launch, the
-    same bytes as the kernels write (pieces anywhere in their sources, gaps before, between and after)."""
+    """Up to ``Tuning.torch_pieces`` contiguous pieces: torch's copies and zeroes instead of a launch, the
+    same bytes as the kernels write (pieces anywhere in their sources, sources at any offset of their storage,
+    1-D or 2-D, gaps before, between and after; each piece's own copy_ or a shared _foreach_copy_)."""
     from ztriton.kernels import Piece, Tuning, make_plan
 
-    count = data.draw(st.integers(0, 2))
+    count = data.draw(st.integers(0, 6))
     pieces, at = [], data.draw(st.integers(0, 5))
     for _ in range(count):
-        src = random_tensor([data.draw(st.integers(1, 40))], dtype)
+        # 1-D or 2-D, whole or a slice of a bigger buffer at any element (then its bytes may not be word-aligned)
+        rows, cols = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 16))
+        skip = data.draw(st.integers(0, 5))
+        src = random_tensor([skip + rows * cols], dtype)[skip:]
+        src = src.view(rows, cols) if data.draw(st.booleans()) else src
         start = data.draw(st.integers(0, src.numel() - 1))
         n = data.draw(st.integers(0, src.numel() - start))
         pieces.append(Piece(src, start, n, at))
@@ -418,7 +423,9 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
     # With the gaps zeroed the pieces and gaps tile dst (one split cuts its views), without them they do not.
     gaps = plan_module.uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at) if data.draw(st.booleans()) else []
-    torch_plan = make_plan(by_torch, pieces, gaps)
+    # Pieces of at least own_copy_bytes get a copy_ each, the others share a _foreach_copy_ per word width.
+    own = data.draw(st.sampled_from([1, 24, Tuning().own_copy_bytes]))
+    torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own))
     assert not torch_plan.launches, "a few contiguous pieces should not launch a kernel"
     torch_plan.launch()
     make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
@@ -435,7 +442,7 @@ def test_torch_copies_write_what_the_kernels_write_in_every_odd_case():
         for tuning in (Tuning(), Tuning(torch_pieces=0)):
             dst = make_dst()
             plan = make_plan(dst, pieces, zeros, tuning=tuning)
-            assert bool(plan.copies or plan.fills) == (tuning.torch_pieces > 0)
+            assert plan.torch_copies == (tuning.torch_pieces > 0)
             plan.launch()
             outs.append(dst)
         assert torch.equal(bits(outs[0]), bits(outs[1])), (outs[0], outs[1])
@@ -476,7 +483,7 @@ def test_torch_copies_planned_in_inference_mode_launch_outside_it():
     dst = torch.full((8,), -1.0, device=DEVICE)
     with torch.inference_mode():
         plan = make_plan(dst, [Piece(src, 0, 4, 0)], [(4, 4)])
-    assert plan.copies and plan.inference
+    assert plan.torch_copies and plan.inference
     plan.launch()
     assert dst.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0] and not dst.is_inference()
     assert not make_plan(dst, [Piece(src, 0, 4, 0)], [(4, 4)]).inference
@@ -496,8 +503,8 @@ def test_torch_copies_only_for_few_contiguous_pieces():
     sources = [random_tensor([8], torch.float16) for _ in range(few + 1)]
     dst = poisoned(8 * (few + 1), torch.float16)
     pieces = [Piece(s, 0, 8, 8 * i) for i, s in enumerate(sources)]
-    assert make_plan(dst, pieces[:few]).copies and not make_plan(dst, pieces[:few]).launches
-    assert make_plan(dst, pieces).launches and not make_plan(dst, pieces).copies
+    assert make_plan(dst, pieces[:few]).torch_copies and not make_plan(dst, pieces[:few]).launches
+    assert make_plan(dst, pieces).launches and not make_plan(dst, pieces).torch_copies
     strided = random_tensor([4, 2], torch.float16).t()
     assert make_plan(dst, [Piece(strided, 0, 8, 0)]).launches
 
@@ -729,7 +736,7 @@ def test_plain_slices_are_taken_as_they_are_and_others_checked():
     dst = torch.zeros(16)
     src = torch.arange(8.0)
     pieces, zeros = plan_module.slices_to_pieces(dst, [(src, 0, 4, 0), (src, 4, 4, 8)])
-    assert pieces == [(src, 0, 4, 0), (src, 4, 4, 8)] and zeros.tolist() == [[4, 4], [12, 4]]
+    assert list(pieces) == [(src, 0, 4, 0), (src, 4, 4, 8)] and zeros.tolist() == [[4, 4], [12, 4]]
     import numpy as np
     pieces, _ = plan_module.slices_to_pieces(dst, [(src, 0, np.int64(4), 0)])
     assert type(pieces[0][2]) is int

@@ -284,7 +284,7 @@ for s in sources:
     at += s.numel() + 8
 flat = torch.full((at,), float("nan"), dtype=torch.bfloat16, device=device)
 job = pack_plan(flat, sources, offsets)
-assert job.copies and not job.launches, "600 contiguous pieces before any load: torch copies"
+assert job.torch_copies and not job.launches, "600 contiguous pieces before any load: torch copies"
 job.launch()
 for s, o in zip(sources, offsets):
     assert torch.equal(flat[o:o + s.numel()].view(torch.int16), s.view(torch.int16))
@@ -332,7 +332,7 @@ def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     end = offsets[-1] + sources[-1].numel() + 5
     ours, kernels = (torch.full((end,), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(2))
     during = pack_plan(ours, sources, offsets)
-    assert during.copies and not during.launches
+    assert during.torch_copies and not during.launches
     during.launch()
     assert thread.is_alive(), "the pack waited for the warm-up"
     gate.set()
