@@ -879,27 +879,38 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     words = _INT_OF_WIDTH[word]
     every = _sources_of(pieces)
     sources = [every[i] for i in live.tolist()]
-    # A source viewed as words must start on a word in its storage, hold whole words, and the piece start on one;
-    # the others (rare: a slice at an odd element) move as bytes.
-    first = np.array([s.storage_offset() for s in sources], dtype=np.int64) * width
-    aligned = ((first | numels | starts) % word == 0).tolist()
-    whole = ((starts == 0) & (counts == numels)).tolist()
-    own = (counts >= tuning.own_copy_bytes).tolist()
+    first = np.array([s.storage_offset() for s in sources], dtype=np.int64) * width  # in its storage, bytes
+    heads, ends = _runs(sources, srcs.lo[live] - first, first + starts, counts, offsets)
+    single = ends - heads == 1
+    run_bytes = np.add.reduceat(counts, heads) if len(heads) else counts
+    # A piece is viewed as words if its source starts on a word in its storage and holds whole words, and the
+    # piece starts on one; a run of several pieces, one view of their storage, if it starts on a word. The others
+    # (rare: a slice at an odd element) move as bytes.
+    aligned = np.where(single, ((first | numels | starts) % word == 0)[heads], ((first + starts)[heads] % word == 0))
+    whole = single & ((starts == 0) & (counts == numels))[heads]
+    own = run_bytes >= tuning.own_copy_bytes
     retype = words != dst.dtype
     with _torch_turn() if run_now else nullcontext(), torch.no_grad():
         out = _bytes(dst).view(words)
-        outs = _cut(out, list(zip((offsets // word).tolist(), (counts // word).tolist())),
+        outs = _cut(out, list(zip((offsets[heads] // word).tolist(), (run_bytes // word).tolist())),
                     [(offset // word, count // word) for offset, count in gaps.tolist()])
         copies, batches = [], {}
-        for k, (src, start, count, into) in enumerate(zip(sources, starts.tolist(), counts.tolist(), outs)):
+        for k, alone, count, into, word_view, own_copy, entire in zip(
+                heads.tolist(), single.tolist(), run_bytes.tolist(), outs, aligned.tolist(), own.tolist(),
+                whole.tolist()):
+            src = sources[k]
             view = src if src.dim() == 1 else src.view(-1)
-            if aligned[k]:
-                view, unit = (view.view(words) if retype else view), word
-            else:
+            if not alone:  # several pieces side by side in one storage: one view of their bytes
+                view = view.view(torch.uint8).as_strided((count,), (1,), int(first[k] + starts[k]))
+            if not word_view:
                 view, into, unit = view.view(torch.uint8), into.view(torch.uint8), 1
-            if not whole[k]:
-                view = view.narrow(0, start // unit, count // unit)
-            if own[k]:
+            elif view.dtype != words and (retype or not alone):
+                view, unit = view.view(words), word
+            else:
+                unit = word
+            if not entire and alone:
+                view = view.narrow(0, int(starts[k]) // unit, count // unit)
+            if own_copy:
                 if run_now:
                     into.copy_(view)
                 else:
@@ -908,7 +919,7 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 batch = batches.setdefault(unit, ([], []))
                 batch[0].append(into)
                 batch[1].append(view)
-        fills = outs[len(sources):]
+        fills = outs[len(heads):]
         if run_now:
             plan = Plan([], keep_alive, [], _launch_stream(dst), [], list(batches.values()), fills)
             plan.copy_with_torch()
@@ -916,6 +927,29 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
     # be written inside it again.
     return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference())
+
+
+def _runs(sources: list, bases: np.ndarray, firsts: np.ndarray, counts: np.ndarray, offsets: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """``[head, end)`` index ranges of consecutive pieces that continue each other both in one storage (the same
+    ``bases``, the address its storage starts at; ``firsts``, each piece's first byte in it) and in dst
+    (``offsets``), all in bytes: a defragment's partitions still side by side in their module's buffer. Each run
+    is copied as one. A run that would reach past its first source's storage (a tensor made over another's
+    memory) is split back into its pieces."""
+    n = len(counts)
+    if n == 0:
+        return np.arange(0), np.arange(0)
+    follows = (bases[1:] == bases[:-1]) & (firsts[1:] == firsts[:-1] + counts[:-1]) & \
+        (offsets[1:] == offsets[:-1] + counts[:-1])
+    heads = np.flatnonzero(np.concatenate([[True], ~follows]))
+    ends = np.append(heads[1:], n)
+    reach = np.add.reduceat(counts, heads) + firsts[heads]
+    too_far = [r for r in np.flatnonzero(ends - heads > 1).tolist()
+               if reach[r] > sources[heads[r]].untyped_storage().nbytes()]
+    if too_far:
+        heads = np.union1d(heads, np.concatenate([np.arange(heads[r], ends[r]) for r in too_far]))
+        ends = np.append(heads[1:], n)
+    return heads, ends
 
 
 # Integer dtypes by width in bytes: the views torch copies through (integer copies never convert a bit).

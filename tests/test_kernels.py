@@ -788,3 +788,64 @@ def test_byte_extents_is_byte_extent_of_each():
              base.reshape(-1)[7:19]]
     lo, hi = plan_module.byte_extents(views)
     assert [(int(a), int(b)) for a, b in zip(lo, hi)] == [plan_module.byte_extent(v) for v in views]
+
+
+@FAST
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.bool, torch.uint8, torch.float64]))
+def test_torch_copies_take_pieces_side_by_side_in_one_storage_as_one_copy(data, dtype):
+    """Pieces that continue each other in one storage and in dst (a defragment's partitions in their module's
+    buffer) are copied as one run, the same bits as the kernels write; pieces of another storage, out of order
+    or with a gap between them are not merged."""
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    buffers = [random_tensor([data.draw(st.integers(1, 64))], dtype) for _ in range(data.draw(st.integers(1, 3)))]
+    slices = []
+    for buffer in buffers:
+        cut, end = data.draw(st.integers(0, buffer.numel() - 1)), buffer.numel()
+        while cut < end:  # consecutive slices of the buffer, sometimes a gap between them
+            n = data.draw(st.integers(1, end - cut))
+            slices.append(buffer[cut:cut + n])
+            cut += n + data.draw(st.sampled_from([0, 0, 0, 1]))
+    if data.draw(st.booleans()):
+        slices.reverse()  # dst order against storage order: no run
+    pieces, at = [], data.draw(st.integers(0, 3))
+    for src in slices[:16]:  # sometimes a gap in dst
+        pieces.append(Piece(src, 0, src.numel(), at))
+        at += src.numel() + data.draw(st.sampled_from([0, 0, 0, 1]))
+    gaps = plan_module.uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, at)
+    own = data.draw(st.sampled_from([1, Tuning().own_copy_bytes]))
+    by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
+    torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own))
+    assert torch_plan.torch_copies and not torch_plan.launches
+    continues = [a.src.untyped_storage().data_ptr() == b.src.untyped_storage().data_ptr()
+                 and a.src.storage_offset() + a.count == b.src.storage_offset() and a.offset + a.count == b.offset
+                 for a, b in zip(pieces, pieces[1:])]
+    copies = len(torch_plan.copies) + sum(len(outs) for outs, _ in torch_plan.batches)
+    assert copies == len(pieces) - sum(continues), "each run of continuing pieces should be one copy"
+    torch_plan.launch()
+    make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
+    assert torch.equal(bits(by_torch), bits(by_kernels))
+
+
+def test_torch_copies_merge_a_run_only_inside_its_first_storage():
+    """Two tensors whose memory continues one another from the same address but whose storages differ in size
+    (one made over the other's memory): a run view of the smaller storage would reach past it, so the pieces
+    are copied one by one; two slices of one tensor are one copy."""
+    import numpy as np
+
+    from ztriton.kernels import Piece, make_plan
+
+    memory = np.arange(16, dtype=np.float32)
+    short = torch.from_numpy(memory[:8])  # a storage of 8 elements
+    rest = torch.from_numpy(memory)[8:]  # the same first address, a storage of 16
+    dst = torch.zeros(16)
+    plan = make_plan(dst, [Piece(short, 0, 8, 0), Piece(rest, 0, 8, 8)])
+    assert sum(len(outs) for outs, _ in plan.batches) + len(plan.copies) == 2
+    plan.launch()
+    assert dst.tolist() == list(range(16))
+    dst.zero_()
+    whole = torch.from_numpy(memory)
+    plan = make_plan(dst, [Piece(whole[:5], 0, 5, 0), Piece(whole[5:], 0, 11, 5)])
+    assert sum(len(outs) for outs, _ in plan.batches) + len(plan.copies) == 1
+    plan.launch()
+    assert dst.tolist() == list(range(16))
