@@ -857,7 +857,8 @@ def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) 
 
 def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray,
                      keep_alive: list, tuning: Tuning, run_now: bool = False) -> Plan:
-    """The plan of :func:`_torch_copies_suffice`'s case: torch copies each piece, and zeroes each gap.
+    """The plan of :func:`_torch_copies_suffice`'s case: torch copies each piece (pieces that continue each other
+    in one storage and in dst as one, :class:`_CopyRuns`), and zeroes each gap.
 
     On integer views of the flattened tensors (the widest word that every destination range, and the piece's
     source, is aligned to; bytes at worst), as the kernels see them: offsets count elements of dst's flattening
@@ -871,62 +872,85 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     """
     width = dst.element_size()
     live = np.flatnonzero(srcs.count > 0)
-    starts, counts, offsets, numels = (column[live] * width for column in (srcs.start, srcs.count, srcs.offset,
-                                                                            srcs.numel))
     gaps = zeros[zeros[:, 1] > 0] * width
-    word = _common_word(np.concatenate([offsets, counts, gaps.reshape(-1),
+    runs = _copy_runs(_sources_of(pieces), live, srcs, width)
+    word = _common_word(np.concatenate([runs.offset, runs.nbytes, gaps.reshape(-1),
                                        [dst.storage_offset() * width, dst.numel() * width]]))
     words = _INT_OF_WIDTH[word]
-    every = _sources_of(pieces)
-    sources = [every[i] for i in live.tolist()]
-    first = np.array([s.storage_offset() for s in sources], dtype=np.int64) * width  # in its storage, bytes
-    heads, ends = _runs(sources, srcs.lo[live] - first, first + starts, counts, offsets)
-    single = ends - heads == 1
-    run_bytes = np.add.reduceat(counts, heads) if len(heads) else counts
-    # A piece is viewed as words if its source starts on a word in its storage and holds whole words, and the
-    # piece starts on one; a run of several pieces, one view of their storage, if it starts on a word. The others
-    # (rare: a slice at an odd element) move as bytes.
-    aligned = np.where(single, ((first | numels | starts) % word == 0)[heads], ((first + starts)[heads] % word == 0))
-    whole = single & ((starts == 0) & (counts == numels))[heads]
-    own = run_bytes >= tuning.own_copy_bytes
-    retype = words != dst.dtype
+    aligned = runs.aligned_to(word)
+    own = runs.nbytes >= tuning.own_copy_bytes
     with _torch_turn() if run_now else nullcontext(), torch.no_grad():
         out = _bytes(dst).view(words)
-        outs = _cut(out, list(zip((offsets[heads] // word).tolist(), (run_bytes // word).tolist())),
+        outs = _cut(out, list(zip((runs.offset // word).tolist(), (runs.nbytes // word).tolist())),
                     [(offset // word, count // word) for offset, count in gaps.tolist()])
         copies, batches = [], {}
-        for k, alone, count, into, word_view, own_copy, entire in zip(
-                heads.tolist(), single.tolist(), run_bytes.tolist(), outs, aligned.tolist(), own.tolist(),
-                whole.tolist()):
-            src = sources[k]
-            view = src if src.dim() == 1 else src.view(-1)
-            if not alone:  # several pieces side by side in one storage: one view of their bytes
-                view = view.view(torch.uint8).as_strided((count,), (1,), int(first[k] + starts[k]))
-            if not word_view:
-                view, into, unit = view.view(torch.uint8), into.view(torch.uint8), 1
-            elif view.dtype != words and (retype or not alone):
-                view, unit = view.view(words), word
-            else:
-                unit = word
-            if not entire and alone:
-                view = view.narrow(0, int(starts[k]) // unit, count // unit)
-            if own_copy:
+        for r, into in enumerate(outs[:len(runs.sources)]):
+            view, into = runs.views(r, into, words if aligned[r] else torch.uint8)
+            if own[r]:
                 if run_now:
                     into.copy_(view)
                 else:
                     copies.append((into, view))
             else:
-                batch = batches.setdefault(unit, ([], []))
+                batch = batches.setdefault(view.dtype, ([], []))
                 batch[0].append(into)
                 batch[1].append(view)
-        fills = outs[len(heads):]
+        fills = outs[len(runs.sources):]
         if run_now:
-            plan = Plan([], keep_alive, [], _launch_stream(dst), [], list(batches.values()), fills)
-            plan.copy_with_torch()
+            Plan([], keep_alive, [], None, [], list(batches.values()), fills).copy_with_torch()
             return Plan([], keep_alive, [], _launch_stream(dst))
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
     # be written inside it again.
     return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference())
+
+
+@dataclass
+class _CopyRuns:
+    """The torch route's copies, in bytes: each run is one piece, or several pieces that continue each other in
+    one storage and in dst (:func:`_runs`), copied as one."""
+
+    sources: list  # each run's first source
+    first: np.ndarray  # the run's first byte in its source's storage
+    start: np.ndarray  # the run's first byte in its source's flattening
+    nbytes: np.ndarray
+    offset: np.ndarray  # in dst
+    alone: np.ndarray  # a single piece
+    whole: np.ndarray  # a single piece that is its whole source
+    source_words: np.ndarray  # bytes its source's storage offset and size share (a single piece's word bound)
+
+    def aligned_to(self, word: int) -> np.ndarray:
+        """Runs whose source side can be viewed as ``word``-byte integers: a single piece whose source starts on
+        a word in its storage, holds whole words and whose start is on one; a run of several, one view of their
+        storage, if it starts on a word. The others (rare: a slice at an odd element) move as bytes."""
+        return np.where(self.alone, (self.source_words | self.start) % word == 0, self.first % word == 0)
+
+    def views(self, r: int, into: torch.Tensor, words: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``r``'s source bytes and ``into`` (its part of dst), both as ``words``."""
+        src = self.sources[r]
+        view = src if src.dim() == 1 else src.view(-1)
+        unit = words.itemsize
+        if not self.alone[r]:
+            view = view.view(torch.uint8).as_strided((int(self.nbytes[r]),), (1,), int(self.first[r]))
+        if view.dtype != words:
+            view = view.view(words)
+        if into.dtype != words:
+            into = into.view(words)
+        if self.alone[r] and not self.whole[r]:
+            view = view.narrow(0, int(self.start[r]) // unit, int(self.nbytes[r]) // unit)
+        return view, into
+
+
+def _copy_runs(every: list, live: np.ndarray, srcs: _Sources, width: int) -> _CopyRuns:
+    """The non-empty pieces as :class:`_CopyRuns`."""
+    starts, counts, offsets, numels = (column[live] * width for column in (srcs.start, srcs.count, srcs.offset,
+                                                                            srcs.numel))
+    sources = [every[i] for i in live.tolist()]
+    first = np.array([s.storage_offset() for s in sources], dtype=np.int64) * width  # in its storage, bytes
+    heads, ends = _runs(sources, srcs.lo[live] - first, first + starts, counts, offsets)
+    alone = ends - heads == 1
+    return _CopyRuns([sources[k] for k in heads.tolist()], (first + starts)[heads], starts[heads],
+                     np.add.reduceat(counts, heads) if len(heads) else counts, offsets[heads], alone,
+                     alone & ((starts == 0) & (counts == numels))[heads], (first | numels)[heads])
 
 
 def _runs(sources: list, bases: np.ndarray, firsts: np.ndarray, counts: np.ndarray, offsets: np.ndarray
