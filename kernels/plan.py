@@ -981,9 +981,11 @@ _INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _common_word(byte_values: np.ndarray) -> int:
-    """The widest of 8, 4, 2, 1 bytes that divides every value."""
-    bits = int(np.bitwise_or.reduce(byte_values.astype(np.int64))) if len(byte_values) else 0
-    return next(w for w in (8, 4, 2, 1) if bits % w == 0)
+    """The widest of 8, 4, 2, 1 bytes that divides every value (:func:`_units` of their bits together; torch
+    has no 16-byte integer to view as)."""
+    bits = np.bitwise_or.reduce(byte_values.astype(np.int64), keepdims=True) if len(byte_values) else \
+        np.zeros(1, dtype=np.int64)
+    return min(8, int(_units(bits)[0]))
 
 
 def _cut(out: torch.Tensor, pieces: list[tuple[int, int]], gaps: list[tuple[int, int]]) -> list[torch.Tensor]:
