@@ -874,8 +874,9 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     live = np.flatnonzero(srcs.count > 0)
     gaps = zeros[zeros[:, 1] > 0] * width
     runs = _copy_runs(_sources_of(pieces), live, srcs, width)
+    # dst's views must be whole words of its storage, and (for _foreach_copy_'s vector loads) at word addresses.
     word = _common_word(np.concatenate([runs.offset, runs.nbytes, gaps.reshape(-1),
-                                       [dst.storage_offset() * width, dst.numel() * width]]))
+                                       [dst.storage_offset() * width, dst.numel() * width, dst.data_ptr()]]))
     words = _INT_OF_WIDTH[word]
     aligned = runs.aligned_to(word)
     own = runs.nbytes >= tuning.own_copy_bytes
@@ -917,12 +918,15 @@ class _CopyRuns:
     alone: np.ndarray  # a single piece
     whole: np.ndarray  # a single piece that is its whole source
     source_words: np.ndarray  # bytes its source's storage offset and size share (a single piece's word bound)
+    address: np.ndarray  # the run's first source byte in memory
 
     def aligned_to(self, word: int) -> np.ndarray:
         """Runs whose source side can be viewed as ``word``-byte integers: a single piece whose source starts on
         a word in its storage, holds whole words and whose start is on one; a run of several, one view of their
-        storage, if it starts on a word. The others (rare: a slice at an odd element) move as bytes."""
-        return np.where(self.alone, (self.source_words | self.start) % word == 0, self.first % word == 0)
+        storage, if it starts on a word; either only at a word address (a storage may start anywhere, e.g. one
+        imported through DLPack, and CUDA's vector loads need the address). The others move as bytes."""
+        in_storage = np.where(self.alone, (self.source_words | self.start) % word == 0, self.first % word == 0)
+        return in_storage & (self.address % word == 0)
 
     def views(self, r: int, into: torch.Tensor, words: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``r``'s source bytes and ``into`` (its part of dst), both as ``words``."""
@@ -950,7 +954,8 @@ def _copy_runs(every: list, live: np.ndarray, srcs: _Sources, width: int) -> _Co
     alone = ends - heads == 1
     return _CopyRuns([sources[k] for k in heads.tolist()], (first + starts)[heads], starts[heads],
                      np.add.reduceat(counts, heads) if len(heads) else counts, offsets[heads], alone,
-                     alone & ((starts == 0) & (counts == numels))[heads], (first | numels)[heads])
+                     alone & ((starts == 0) & (counts == numels))[heads], (first | numels)[heads],
+                     (srcs.lo[live] + starts)[heads])
 
 
 def _runs(sources: list, bases: np.ndarray, firsts: np.ndarray, counts: np.ndarray, offsets: np.ndarray

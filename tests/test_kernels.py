@@ -430,6 +430,12 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     torch_plan.launch()
     make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
     assert torch.equal(bits(by_torch), bits(by_kernels))
+    # Copied while planned (run_plan's way), into dst at an element offset of a bigger buffer.
+    lead = data.draw(st.integers(0, 3))
+    by_now = poisoned(lead + at, dtype)[lead:]
+    done = make_plan(by_now, pieces, gaps, tuning=Tuning(own_copy_bytes=own), run_now=True)
+    assert not done.torch_copies and not done.launches, "run_now leaves nothing to launch"
+    assert torch.equal(bits(by_now), bits(by_kernels))
 
 
 def test_torch_copies_write_what_the_kernels_write_in_every_odd_case():
@@ -827,6 +833,17 @@ def test_torch_copies_take_pieces_side_by_side_in_one_storage_as_one_copy(data, 
     assert torch.equal(bits(by_torch), bits(by_kernels))
 
 
+def test_torch_copies_never_merge_pieces_of_two_storages():
+    """Piece 2 starts, in its own storage, where piece 1 ends in another's: not a run (each storage copied
+    apart), whatever their positions in dst."""
+    from ztriton.kernels import Piece, make_plan
+
+    a, b = torch.arange(8.0), torch.arange(100.0, 108.0)
+    dst = torch.zeros(8)
+    make_plan(dst, [Piece(a, 0, 4, 0), Piece(b, 4, 4, 4)]).launch()
+    assert dst.tolist() == [0.0, 1.0, 2.0, 3.0, 104.0, 105.0, 106.0, 107.0]
+
+
 def test_torch_copies_merge_a_run_only_inside_its_first_storage():
     """Two tensors whose memory continues one another from the same address but whose storages differ in size
     (one made over the other's memory): a run view of the smaller storage would reach past it, so the pieces
@@ -849,3 +866,26 @@ def test_torch_copies_merge_a_run_only_inside_its_first_storage():
     assert sum(len(outs) for outs, _ in plan.batches) + len(plan.copies) == 1
     plan.launch()
     assert dst.tolist() == list(range(16))
+
+
+def test_torch_copies_view_words_only_at_word_addresses():
+    """A storage may start at any address (one imported through DLPack, a numpy buffer at an odd byte): its
+    pieces, and a dst there, move as bytes, never as integer words at a misaligned address (CUDA's vector loads
+    in _foreach_copy_ fail on those); the bits still land."""
+    import numpy as np
+
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    # 200 bytes at an odd address: by its storage offset (0) and size alone it would look word-aligned
+    odd = torch.from_numpy(np.frombuffer(bytearray([255] + list(range(200))), dtype=np.uint8, offset=1))
+    assert odd.data_ptr() % 2 == 1 and odd.storage_offset() == 0 and odd.numel() == 200
+    for dst in (torch.zeros(64, dtype=torch.uint8), torch.from_numpy(np.frombuffer(bytearray(65), np.uint8, offset=1))):
+        for own in (1, Tuning().own_copy_bytes):
+            plan = make_plan(dst, [Piece(odd, 0, 32, 0), Piece(odd, 40, 32, 32)], tuning=Tuning(own_copy_bytes=own))
+            views = [t for out, src in plan.copies for t in (out, src)] + \
+                [t for outs, srcs in plan.batches for t in outs + srcs]
+            assert views and all(t.data_ptr() % t.element_size() == 0 for t in views), \
+                [(t.dtype, t.data_ptr() % 8) for t in views]
+            dst.fill_(0)
+            plan.launch()
+            assert dst.tolist() == list(range(0, 32)) + list(range(40, 72))
