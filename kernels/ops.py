@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from .plan import Piece, Plan, Tuning, as_index, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
+from .turns import run_fresh
 
 __all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]
 
@@ -43,14 +44,18 @@ def chunk_piece(src: torch.Tensor, dst: torch.Tensor, start: int, count: int | N
 
 
 def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-         window: tuple[int, int] | None = None) -> torch.Tensor:
+         window: tuple[int, int] | None = None, *, fresh: bool = False) -> torch.Tensor:
     """Lay ``sources`` (flattened row-major) at element ``offsets`` of a flat layout, zeros elsewhere.
 
     Without ``window`` the layout is ``dst`` itself. With ``window=(w0, w1)`` only elements
     ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
     flat buffer. Every element of the window is written exactly once. Returns ``dst``.
+
+    ``fresh=True`` says dst was just allocated for this result and nothing reads it yet: the sources
+    are then checked and copied in turns (:mod:`~ztriton.kernels.turns`), so the device starts before
+    the last source is checked; an error after the first turn leaves dst partly written (drop it).
     """
-    run_plan(dst, *pack_pieces(dst, sources, offsets, window))
+    (run_fresh if fresh else run_plan)(dst, *pack_pieces(dst, sources, offsets, window))
     return dst
 
 
@@ -60,10 +65,12 @@ def pack_plan(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seque
     return make_plan(dst, *pack_pieces(dst, sources, offsets, window), tuning)
 
 
-def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]]) -> torch.Tensor:
+def pack_slices(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int, int, int]], *,
+                fresh: bool = False) -> torch.Tensor:
     """Copy each ``(src, start, count, offset)`` slice into ``dst`` and zero everything else of ``dst``.
 
-    For one rank's ZeRO-3 slices of many params into one per-rank buffer. Returns ``dst``.
+    For one rank's ZeRO-3 slices of many params into one per-rank buffer. Returns ``dst``. ``fresh``:
+    as :func:`pack`'s.
     """
-    run_plan(dst, *slices_to_pieces(dst, slices), what="slices")
+    (run_fresh if fresh else run_plan)(dst, *slices_to_pieces(dst, slices), what="slices")
     return dst

@@ -97,6 +97,10 @@ class PackPieces(Sequence):
             return [self[k] for k in range(*i.indices(len(self)))]
         return Piece(self.sources[i], int(self.start[i]), int(self.count[i]), int(self.offset[i]))
 
+    def part(self, a: int, b: int) -> "PackPieces":
+        """Pieces ``[a, b)``, still as columns."""
+        return PackPieces(self.sources[a:b], self.start[a:b], self.count[a:b], self.offset[a:b], self.numel[a:b])
+
 
 def _sources_of(pieces: Sequence[Piece]) -> list:
     return pieces.sources if isinstance(pieces, PackPieces) else [p[0] for p in pieces]

@@ -311,9 +311,10 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool =
 def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
           window: tuple[int, int] | None = None) -> None:
     """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device. The
-    sources are read in place (params as they are: neither path records autograd)."""
+    sources are read in place (params as they are: neither path records autograd). ``dst`` is always a buffer
+    just allocated for the result, dropped on an error: the pack checks and copies the params in turns."""
     if kernels_run_on(dst.device):
-        pack(dst, sources, offsets, window)
+        pack(dst, sources, offsets, window, fresh=True)
         return
     logger.info("ztriton: CPU tensors without TRITON_INTERPRET=1, packing with torch instead of the kernels")
     torch_pack(dst, sources, offsets, window)
