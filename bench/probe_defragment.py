@@ -53,8 +53,8 @@ def device_tier(world: int, repeat: int) -> dict:
     total = sum(t.numel() for t in tensors)
     _, probe_ms = timed(lambda: memory.probe_memory(CUDA))
     flat, alloc_ms = timed(lambda: torch.empty(total, dtype=torch.bfloat16, device=CUDA))
-    _, pack_ms = timed(lambda: D._copy_into(flat, tensors))
-    _, repoint_ms = timed(lambda: D._repoint(flat, tensors))
+    _, pack_ms = timed(lambda: D._copy_into(flat, tensors, D._places(tensors)))
+    _, repoint_ms = timed(lambda: D._repoint(flat, tensors, D._places(tensors)))
     del flat
     again = partitions(world)  # in module buffers, as a real call finds them (clones would be 602 allocations)
     _, whole_ms = timed(lambda: D.defragment(again))
