@@ -39,7 +39,8 @@ if want tests; then
 fi
 if want demo; then
   step timeout 120 python3 -m ztriton demo --json "$out/demo.json"
-  step timeout 200 python3 bench/profile_demo.py --empty-cache --repeats 15 --top 40 --steps zero_init zero2_optimizer
+  step timeout 200 python3 bench/profile_demo.py --empty-cache --repeats 15 --top 40 --steps zero_init zero2_optimizer \
+    --callees 'min_over_ranks|all_ranks|probe_memory|_build' --out "$out/pstats"
 fi
 if want zero2; then
   step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton triton-warmup --warm-repeats 6 \

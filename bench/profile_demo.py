@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--torch-profiler", action="store_true",
                         help="also run each backend under torch.profiler (CPU and CUDA activity) and print its top ops")
+    parser.add_argument("--callees", metavar="REGEX",
+                        help="also print, key on, what the functions matching REGEX call (pstats' print_callees)")
     parser.add_argument("--no-profile", action="store_true", help="only the medians: skip the cProfile repeats")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the CUDA cache before each run, as the demo does (every allocation a cudaMalloc)")
@@ -111,6 +113,8 @@ def main(argv=None) -> int:
             if backend == "triton":
                 print(f"[profile_demo] {kind} key on, {args.repeats} repeats, by own time:", flush=True)
                 stats.sort_stats("tottime").print_stats(args.top)
+                if args.callees:
+                    stats.sort_stats("cumulative").print_callees(args.callees)
         if profiles:
             _print_difference(kind, profiles["triton"], profiles["torch"], args.repeats, args.top)
     return 0
