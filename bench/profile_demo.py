@@ -46,6 +46,9 @@ def main(argv=None) -> int:
                         help="also run each backend under torch.profiler (CPU and CUDA activity) and print its top ops")
     parser.add_argument("--callees", metavar="REGEX",
                         help="also print, key on, what the functions matching REGEX call (pstats' print_callees)")
+    parser.add_argument("--time-agreements", action="store_true",
+                        help="also time, key on, each part of every min_over_ranks call (tensor, all_reduce, tolist) "
+                             "and the garbage collector's pauses per run")
     parser.add_argument("--no-profile", action="store_true", help="only the medians: skip the cProfile repeats")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the CUDA cache before each run, as the demo does (every allocation a cudaMalloc)")
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
             return seconds
 
     for kind in args.steps:
+        if args.time_agreements:
+            _time_agreements(kind, once, args.repeats)
         if args.torch_profiler:
             _torch_profile(kind, once, args)
         medians = {b: statistics.median(once(kind, b) for _ in range(args.repeats)) for b in ("torch", "triton")}
@@ -118,6 +123,57 @@ def main(argv=None) -> int:
         if profiles:
             _print_difference(kind, profiles["triton"], profiles["torch"], args.repeats, args.top)
     return 0
+
+
+def _time_agreements(kind: str, once, repeats: int) -> None:
+    """Key on: milliseconds of each part of every ``min_over_ranks`` call, and of the GC's pauses, per run."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from ztriton import comm
+
+    parts: dict[str, list[float]] = {"tensor": [], "all_reduce": [], "tolist": [], "whole": []}
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - started[0]) * 1e3)
+
+    def timed_min(values, world):
+        t0 = time.perf_counter()
+        if world.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=world.comm_device)
+        t1 = time.perf_counter()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=world.group)
+        t2 = time.perf_counter()
+        out = [int(v) for v in t.tolist()]
+        t3 = time.perf_counter()
+        for name, ms in (("tensor", t1 - t0), ("all_reduce", t2 - t1), ("tolist", t3 - t2), ("whole", t3 - t0)):
+            parts[name].append(ms * 1e3)
+        return out
+
+    from ztriton.flatten import groups
+
+    users = (comm, groups)  # all_ranks looks it up in comm; the flatten imported it by name
+    originals = [module.min_over_ranks for module in users]
+    for module in users:
+        module.min_over_ranks = timed_min
+    gc.callbacks.append(on_gc)
+    try:
+        runs = [once(kind, "triton") * 1e3 for _ in range(repeats)]
+    finally:
+        for module, original in zip(users, originals):
+            module.min_over_ranks = original
+        gc.callbacks.remove(on_gc)
+    summary = ", ".join(f"{name} median {statistics.median(v):.3f} max {max(v):.3f} ms" for name, v in parts.items() if v)
+    print(f"[profile_demo] {kind} key on, min_over_ranks over {repeats} runs ({len(parts['whole'])} calls): {summary}; "
+          f"GC pauses {len(pauses)}, {sum(pauses):.2f} ms in all; runs median {statistics.median(runs):.2f} ms", flush=True)
 
 
 def _print_difference(kind: str, on: pstats.Stats, off: pstats.Stats, repeats: int, top: int) -> None:

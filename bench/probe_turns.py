@@ -1,0 +1,125 @@
+"""Does a copy in turns overlap the host's checks with the device's copying? One GPU.
+
+    python bench/probe_turns.py [--out FILE.json]
+
+For pack (b) (2,000 tensors, the kernels loaded) and the LLM mix (602): each turn's host start and end and the
+device's end of that turn's copy (a CUDA event), relative to the call's start, so a device idling between turns
+shows; torch.profiler's CUDA runtime calls of one call in turns against one plan (a cudaHostAlloc or a
+synchronize inside the call would serialise the turns); then the flatten's device tier of the LLM mix under
+cProfile (where its host time goes beside the pack).
+"""
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.bench_kernels import group_layout, make_params  # noqa: E402
+from bench.models import llm_mix, log_uniform_mix  # noqa: E402
+from ztriton.kernels import pack, pack_plan  # noqa: E402
+from ztriton.kernels import turns as turns_module  # noqa: E402
+
+
+def timeline(flat, params, offsets) -> list[dict]:
+    """Host start/end and device end (ms from the call's start) of each turn of one ``pack(fresh=True)``."""
+    rows, real = [], turns_module.make_plan
+    start = [0.0]
+
+    class Timed:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def launch(self):
+            self.plan.launch()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            rows[-1]["event"] = event
+            rows[-1]["host_end_ms"] = (time.perf_counter() - start[0]) * 1e3
+
+    def make_plan(dst, pieces, *args, **kwargs):
+        rows.append({"pieces": len(pieces), "host_start_ms": (time.perf_counter() - start[0]) * 1e3})
+        return Timed(real(dst, pieces, *args, **kwargs))
+
+    turns_module.make_plan = make_plan
+    try:
+        torch.cuda.synchronize()
+        begin = torch.cuda.Event(enable_timing=True)
+        start[0] = time.perf_counter()
+        begin.record()
+        pack(flat, params, offsets, fresh=True)
+        torch.cuda.synchronize()
+        whole = (time.perf_counter() - start[0]) * 1e3
+    finally:
+        turns_module.make_plan = real
+    for row in rows:
+        row["device_end_ms"] = begin.elapsed_time(row.pop("event"))
+    rows.append({"whole_ms": whole})
+    return rows
+
+
+def runtime_calls(fn) -> list[tuple[str, int, float]]:
+    """(name, count, CPU ms) of the CUDA runtime and allocator calls torch.profiler sees in one ``fn()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.cpu_time_total / 1e3) for e in prof.key_averages()
+            if e.key.startswith("cuda") or "pin" in e.key or "Host" in e.key]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    figures = {}
+    for name, shapes in (("b_2000", log_uniform_mix()), ("llm_602", llm_mix())):
+        params = make_params(shapes)
+        layout, offsets = group_layout(params)
+        flat = torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda")
+        for _ in range(3):  # compile and cache every variant, both ways
+            pack(flat, params, offsets, fresh=True)
+            pack_plan(flat, params, offsets).launch()
+        rows = [timeline(flat, params, offsets) for _ in range(3)][-1]
+        for row in rows[:-1]:
+            print(f"{name} turn of {row['pieces']:4d}: host {row['host_start_ms']:6.2f} -> {row['host_end_ms']:6.2f} ms, "
+                  f"device done {row['device_end_ms']:6.2f} ms", flush=True)
+        print(f"{name} whole call {rows[-1]['whole_ms']:.2f} ms", flush=True)
+        calls = {"turns": runtime_calls(lambda: pack(flat, params, offsets, fresh=True)),
+                 "plan": runtime_calls(lambda: pack_plan(flat, params, offsets).launch())}
+        for way, found in calls.items():
+            print(f"{name} {way}: " + "; ".join(f"{k} x{c} {ms:.2f} ms" for k, c, ms in found[:10]), flush=True)
+        figures[name] = {"turns": rows, "runtime_calls": calls}
+        del params, flat
+        torch.cuda.empty_cache()
+
+    import ztriton
+    from bench.harness import kernel_launches_skipped  # noqa: F401  (the kernels stay loaded from above)
+
+    shapes = llm_mix()
+    batches = [make_params(shapes) for _ in range(2)]
+    ztriton.flatten_groups([[torch.nn.Parameter(p) for p in batches[0]]], parameter_alignment=True, tier="device")
+    del batches[0]
+    params = [torch.nn.Parameter(p) for p in batches[0]]
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    ztriton.flatten_groups([params], parameter_alignment=True, tier="device")
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"flatten device tier, 602 params, under cProfile: {(time.perf_counter() - start) * 1e3:.2f} ms", flush=True)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
