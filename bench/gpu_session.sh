@@ -13,13 +13,14 @@
 #   tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the fresh-process cells), warm (the
 #   warm-process benchmarks of issue 15: flatten device tier, defragment probe, kernels' single-call figures),
 #   paths (probe_copy_paths: which copy a warm-process flatten should take), tiers (the flatten's evict and host
-#   tiers and the defragment's evict tier against the pinned-copy floor).
+#   tiers and the defragment's evict tier against the pinned-copy floor), turns (probe_turns: whether a copy in
+#   turns overlaps, and the flatten's host profile; the demo's agreements timed part by part).
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm] [paths] [tiers]}
+out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [tests] [demo] [zero2] [zero3] [warm] [paths] [tiers] [turns]}
 shift
 sections=" ${*:-tests demo zero2 zero3} "
 for section in $sections; do
-  case $section in tests|demo|zero2|zero3|warm|paths|tiers) ;; *) echo "unknown section '$section' (tests demo zero2 zero3 warm paths tiers)" >&2; exit 2;; esac
+  case $section in tests|demo|zero2|zero3|warm|paths|tiers|turns) ;; *) echo "unknown section '$section' (tests demo zero2 zero3 warm paths tiers turns)" >&2; exit 2;; esac
 done
 mkdir -p "$out"
 if ls .whl/*.whl > /dev/null 2>&1; then
@@ -63,4 +64,8 @@ fi
 if want tiers; then
   step timeout 300 python3 bench/bench_flatten.py --sizes 8.6 --keep-cache --name flatten_h200_tiers --out "$out"
   step timeout 200 python3 bench/probe_defragment.py --out "$out/defragment_probe.json"
+fi
+if want turns; then
+  step timeout 200 python3 bench/probe_turns.py --out "$out/turns_probe.json"
+  step timeout 200 python3 bench/profile_demo.py --empty-cache --repeats 15 --steps zero2_optimizer --no-profile --time-agreements
 fi
