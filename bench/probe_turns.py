@@ -2,7 +2,8 @@
 
     python bench/probe_turns.py [--out FILE.json]
 
-For pack (b) (2,000 tensors, the kernels loaded) and the LLM mix (602): each turn's host start and end and the
+For pack (b) (2,000 tensors) and the LLM mix (602), on torch's route (before the kernels are loaded) and then the
+kernels' (after): each turn's host start and end and the
 device's end of that turn's copy (a CUDA event), relative to the call's start, so a device idling between turns
 shows; torch.profiler's CUDA runtime calls of one call in turns against one plan (a cudaHostAlloc or a
 synchronize inside the call would serialise the turns); then the flatten's device tier of the LLM mix under
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_kernels import group_layout, make_params  # noqa: E402
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402
-from ztriton.kernels import pack, pack_plan  # noqa: E402
+from ztriton.kernels import KERNELS_ONLY, pack, pack_plan  # noqa: E402
 from ztriton.kernels import turns as turns_module  # noqa: E402
 
 
@@ -79,25 +80,34 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     figures = {}
+    cases = {}
     for name, shapes in (("b_2000", log_uniform_mix()), ("llm_602", llm_mix())):
         params = make_params(shapes)
         layout, offsets = group_layout(params)
-        flat = torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda")
-        for _ in range(3):  # compile and cache every variant, both ways
-            pack(flat, params, offsets, fresh=True)
-            pack_plan(flat, params, offsets).launch()
-        rows = [timeline(flat, params, offsets) for _ in range(3)][-1]
-        for row in rows[:-1]:
-            print(f"{name} turn of {row['pieces']:4d}: host {row['host_start_ms']:6.2f} -> {row['host_end_ms']:6.2f} ms, "
-                  f"device done {row['device_end_ms']:6.2f} ms", flush=True)
-        print(f"{name} whole call {rows[-1]['whole_ms']:.2f} ms", flush=True)
-        calls = {"turns": runtime_calls(lambda: pack(flat, params, offsets, fresh=True)),
-                 "plan": runtime_calls(lambda: pack_plan(flat, params, offsets).launch())}
-        for way, found in calls.items():
-            print(f"{name} {way}: " + "; ".join(f"{k} x{c} {ms:.2f} ms" for k, c, ms in found[:10]), flush=True)
-        figures[name] = {"turns": rows, "runtime_calls": calls}
-        del params, flat
-        torch.cuda.empty_cache()
+        cases[name] = (params, offsets, torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda"))
+    # Torch's copies first (a process that has not loaded the kernels), then the kernels (loaded here).
+    for route in ("torch", "kernels"):
+        if route == "kernels":
+            params, offsets, flat = cases["llm_602"]
+            pack_plan(flat, params, offsets, tuning=KERNELS_ONLY).launch()
+            torch.cuda.synchronize()
+        for name, (params, offsets, flat) in cases.items():
+            for _ in range(3):  # compile and cache every variant, both ways
+                pack(flat, params, offsets, fresh=True)
+                pack_plan(flat, params, offsets).launch()
+            rows = [timeline(flat, params, offsets) for _ in range(3)][-1]
+            for row in rows[:-1]:
+                print(f"{route} {name} turn of {row['pieces']:4d}: host {row['host_start_ms']:6.2f} -> "
+                      f"{row['host_end_ms']:6.2f} ms, device done {row['device_end_ms']:6.2f} ms", flush=True)
+            print(f"{route} {name} whole call {rows[-1]['whole_ms']:.2f} ms", flush=True)
+            calls = {"turns": runtime_calls(lambda: pack(flat, params, offsets, fresh=True)),
+                     "plan": runtime_calls(lambda: pack_plan(flat, params, offsets).launch())}
+            for way, found in calls.items():
+                print(f"{route} {name} {way}: " + "; ".join(f"{k} x{c} {ms:.2f} ms" for k, c, ms in found[:10]),
+                      flush=True)
+            figures[f"{route}_{name}"] = {"turns": rows, "runtime_calls": calls}
+    del cases, params, flat
+    torch.cuda.empty_cache()
 
     import ztriton
     from bench.harness import kernel_launches_skipped  # noqa: F401  (the kernels stay loaded from above)

@@ -999,12 +999,17 @@ def _common_word(byte_values: np.ndarray) -> int:
 
 def _cut(out: torch.Tensor, pieces: list[tuple[int, int]], gaps: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Views of ``out`` at each ``(offset, length)`` of ``pieces`` then ``gaps`` (elements of ``out``), in that
-    order: one ``split`` when together they tile ``out`` (they are disjoint, as validated), else a ``narrow`` each."""
+    order: one ``split`` of the span they cover when together they tile it (they are disjoint, as validated: a
+    pack, a partition, or one turn of either), else a ``narrow`` each (~3x the host time per view)."""
     segments = pieces + gaps
-    if sum(length for _, length in segments) != out.numel():
-        return [out.narrow(0, offset, length) for offset, length in segments]
+    if not segments:
+        return []
     order = sorted(range(len(segments)), key=lambda k: segments[k][0])
-    views = out.split([segments[k][1] for k in order])
+    lo = segments[order[0]][0]
+    span = sum(length for _, length in segments)
+    if max(offset + length for offset, length in segments) - lo != span:
+        return [out.narrow(0, offset, length) for offset, length in segments]
+    views = out.narrow(0, lo, span).split([segments[k][1] for k in order])
     placed = [None] * len(segments)
     for k, view in zip(order, views):
         placed[k] = view

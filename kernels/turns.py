@@ -51,12 +51,31 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     check_dst(dst)
     zeros = _zero_ranges(zero_ranges, dst)
     _check_destinations(dst, pieces, zeros, what)
-    for a, b in turns(len(pieces)):
+    spans = list(turns(len(pieces)))
+    zeros_of_turn = _turn_of_each_zero_range(pieces, zeros, spans)
+    for t, (a, b) in enumerate(spans):
         try:
-            make_plan(dst, pieces.part(a, b), zeros if a == 0 else (), what=what, run_now=True).launch()
+            make_plan(dst, pieces.part(a, b), zeros[zeros_of_turn == t], what=what, run_now=True).launch()
         except (TypeError, ValueError):
             validate(dst, pieces, zeros, what=what)  # the same checks over the whole job name the culprit's index
             raise
+
+
+def _turn_of_each_zero_range(pieces: PackPieces, zeros: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The turn that zeroes each zero range: the one whose piece ends where the range begins (else the first).
+
+    So that a turn's pieces and zero ranges tile one span of dst where its pieces are neighbours there (a pack's
+    layout in order, a defragment, a partition), and torch's route cuts all of a turn's views with one ``split``
+    instead of a ``narrow`` each (the first turn would otherwise make thousands of views for the pads alone)."""
+    turn_of_piece = np.repeat(np.arange(len(spans)), [b - a for a, b in spans])
+    live = np.flatnonzero(pieces.count > 0)
+    if not len(live) or not len(zeros):
+        return np.zeros(len(zeros), dtype=np.int64)
+    ends = pieces.offset[live] + pieces.count[live]
+    order = np.argsort(ends, kind="stable")
+    k = np.minimum(np.searchsorted(ends[order], zeros[:, 0]), len(live) - 1)
+    follows = ends[order][k] == zeros[:, 0]
+    return np.where(follows, turn_of_piece[live[order[k]]], 0)
 
 
 def _check_destinations(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray, what: str) -> None:

@@ -127,3 +127,37 @@ def test_destinations_overlapping_across_turns_are_refused_before_any_write():
     with pytest.raises(ValueError, match=r"slices\[3\].*slices\[200\].*overlap"):
         pack_slices(dst, slices, fresh=True)
     assert bool((dst == 7.0).all())
+
+
+def test_each_pad_goes_with_the_turn_of_the_piece_before_it_so_a_turn_tiles_one_span():
+    """With the sources laid out in order, a turn's pieces and the pads after them cover one span of dst, so
+    torch's route cuts that turn's views with one split; a pad before every piece goes with the first turn."""
+    sources = sources_of(3 * FIRST_TURN + 5, torch.float32, seed=11)
+    offsets, at = [], 3
+    for s in sources:
+        offsets.append(at)
+        at += s.numel() + 2
+    dst = torch.empty(at, device=DEVICE)
+    pieces, zeros = plan_module.pack_pieces(dst, sources, offsets)
+    spans = list(turns(len(pieces)))
+    turn_of = turns_module._turn_of_each_zero_range(pieces, zeros, spans)
+    assert turn_of[0] == 0 and zeros[0, 0] == 0  # the pad before the first source
+    for t, (a, b) in enumerate(spans):
+        mine = zeros[turn_of == t]
+        segments = sorted([(int(o), int(c)) for o, c in zip(pieces.offset[a:b], pieces.count[a:b])] +
+                          [(int(o), int(c)) for o, c in mine])
+        assert all(o2 == o1 + c1 for (o1, c1), (o2, _) in zip(segments, segments[1:])), f"turn {t} leaves a hole"
+    assert set(turn_of.tolist()) <= set(range(len(spans)))
+
+
+@pytest.mark.parametrize("segments, gaps", [
+    ([(4, 3), (10, 2)], [(7, 3)]),  # tile [4, 12): one split
+    ([(4, 3)], [(10, 2)]),  # a hole at 7: a narrow each
+    ([(0, 16)], []),  # all of out
+    ([], []),
+])
+def test_cut_gives_the_views_narrow_would(segments, gaps):
+    out = torch.arange(16)
+    views = plan_module._cut(out, segments, gaps)
+    expected = [out.narrow(0, o, c) for o, c in segments + gaps]
+    assert [(v.data_ptr(), v.numel()) for v in views] == [(e.data_ptr(), e.numel()) for e in expected]
