@@ -96,15 +96,16 @@ def test_each_turn_is_one_plan_and_the_first_starts_small(monkeypatch):
         return real(dst, pieces, *args, **kwargs)
 
     monkeypatch.setattr(turns_module, "make_plan", counting)
-    sources = sources_of(4 * FIRST_TURN, torch.float32, seed=1)
+    sources = sources_of(4 * FIRST_TURN, torch.float32, seed=1)  # turns of FIRST_TURN, twice that, the rest
     offsets = [10 * k for k in range(len(sources))]
     pack(torch.empty(10 * len(sources), device=DEVICE), sources, offsets, fresh=True)
     assert sizes == [FIRST_TURN, 2 * FIRST_TURN, FIRST_TURN]
 
 
 def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes():
-    sources = sources_of(3 * FIRST_TURN, torch.float32, seed=5)
-    bad = 2 * FIRST_TURN + 7  # in the third turn
+    sources = sources_of(4 * FIRST_TURN, torch.float32, seed=5)
+    bad = 3 * FIRST_TURN + 7  # in the third turn: [3, 4) x FIRST_TURN
+    assert [a for a, b in turns(len(sources)) if a <= bad < b] == [3 * FIRST_TURN]
     sources[bad] = sources[bad].to(torch.float64)
     offsets = [10 * k for k in range(len(sources))]
     before = [bits(s).clone() for s in sources]
@@ -118,10 +119,11 @@ def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes
 
 
 def test_destinations_overlapping_across_turns_are_refused_before_any_write():
-    """Slices 3 (first turn) and 200 (third) overlap in dst: no single turn sees both, the whole job's check
+    """Slices 3 (first turn) and 200 (second) overlap in dst: no single turn sees both, the whole job's check
     does, before the first byte is written."""
     sources = sources_of(3 * FIRST_TURN + 10, torch.float32, seed=9)
     slices = [(s, 0, s.numel(), 16 * k) for k, s in enumerate(sources)]
+    assert [a for a, b in turns(len(slices)) if a <= 200 < b] == [FIRST_TURN]
     slices[200] = (sources[200], 0, 1, slices[3][3])
     dst = torch.full((16 * len(sources),), 7.0, device=DEVICE)
     with pytest.raises(ValueError, match=r"slices\[3\].*slices\[200\].*overlap"):
