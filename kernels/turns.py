@@ -52,7 +52,11 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         return
     check_dst(dst)
     zeros = _zero_ranges(zero_ranges, dst)
-    _check_destinations(dst, pieces, zeros, what)
+    try:
+        _check_destinations(dst, pieces, zeros, what)
+    except ValueError:
+        validate(dst, pieces, zeros, what=what)  # a plan's checks, in a plan's order, name the same first error
+        raise
     spans = list(turns(len(pieces)))
     zeros_of_turn = _turn_of_each_zero_range(pieces, zeros, spans)
     for t, (a, b) in enumerate(spans):

@@ -163,3 +163,26 @@ def test_cut_gives_the_views_narrow_would(segments, gaps):
     views = plan_module._cut(out, segments, gaps)
     expected = [out.narrow(0, o, c) for o, c in segments + gaps]
     assert [(v.data_ptr(), v.numel()) for v in views] == [(e.data_ptr(), e.numel()) for e in expected]
+
+
+@pytest.mark.parametrize("case", ["bad dtype beside an overlap", "past dst's end and overlapping"])
+def test_a_job_with_several_faults_gets_the_error_one_plan_gives(case):
+    """The whole job's overlap check runs before any turn; when it fails, the error is still the one a single
+    plan raises first (types before ranges before overlaps), and nothing is written."""
+    sources = [torch.arange(4, dtype=torch.float32, device=DEVICE) + k for k in range(2 * FIRST_TURN)]
+    slices = [(s, 0, 4, 8 * k) for k, s in enumerate(sources)]
+    size = 8 * len(sources)
+    if case == "bad dtype beside an overlap":
+        slices[150] = (sources[150].double(), 0, 4, slices[150][3])
+        slices[20] = (sources[20], 0, 4, slices[10][3])
+    else:
+        slices[150] = (sources[150], 0, 4, size + 2)
+        slices[151] = (sources[151], 0, 4, size)
+    errors = []
+    for fresh in (False, True):
+        dst = torch.full((size,), 7.0, device=DEVICE)
+        with pytest.raises((TypeError, ValueError)) as caught:
+            pack_slices(dst, slices, fresh=fresh)
+        errors.append((type(caught.value), str(caught.value)))
+        assert bool((dst == 7.0).all())
+    assert errors[0] == errors[1]
