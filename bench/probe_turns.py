@@ -110,7 +110,6 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     import ztriton
-    from bench.harness import kernel_launches_skipped  # noqa: F401  (the kernels stay loaded from above)
 
     shapes = llm_mix()
     batches = [make_params(shapes) for _ in range(2)]

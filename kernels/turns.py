@@ -14,6 +14,7 @@ its index in the whole job, as a single plan's would.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -52,19 +53,24 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         return
     check_dst(dst)
     zeros = _zero_ranges(zero_ranges, dst)
-    try:
+    with _errors_as_one_plan(dst, pieces, zeros, what):
         _check_destinations(dst, pieces, zeros, what)
-    except ValueError:
-        validate(dst, pieces, zeros, what=what)  # a plan's checks, in a plan's order, name the same first error
-        raise
     spans = list(turns(len(pieces)))
     zeros_of_turn = _turn_of_each_zero_range(pieces, zeros, spans)
     for t, (a, b) in enumerate(spans):
-        try:
+        with _errors_as_one_plan(dst, pieces, zeros, what):
             make_plan(dst, pieces.part(a, b), zeros[zeros_of_turn == t], what=what, run_now=True).launch()
-        except (TypeError, ValueError):
-            validate(dst, pieces, zeros, what=what)  # the same checks over the whole job name the culprit's index
-            raise
+
+
+@contextmanager
+def _errors_as_one_plan(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray, what: str) -> Iterator[None]:
+    """A check failing inside: run one plan's checks over the whole job first, so that the error raised is the one
+    a single plan raises (its order: types, ranges, overlaps; the culprit named by its index in the whole job)."""
+    try:
+        yield
+    except (TypeError, ValueError):
+        validate(dst, pieces, zeros, what=what)
+        raise
 
 
 def _turn_of_each_zero_range(pieces: PackPieces, zeros: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

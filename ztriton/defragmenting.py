@@ -222,7 +222,8 @@ def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[
                 f"ztriton defragment: cannot allocate the flat buffer ({format_bytes(total * tensors[0].element_size())}) "
                 f"on {device} even after moving {len(moved)} partitions to host memory. Free device memory (or "
                 "offload params) and retry.")
-        _copy_into(flat, tensors, places, away=set(moved))
+        away = set(moved)
+        _copy_into(flat, tensors, places, away)
         synchronize(device)
     except BaseException as exc:
         where = _move_back(tensors, moved, home)
@@ -231,7 +232,7 @@ def _evict_and_pack(tensors: list[torch.Tensor], storages: list[tuple[int, list[
         if isinstance(exc, torch.OutOfMemoryError):
             raise torch.OutOfMemoryError(f"{exc} Every tensor keeps its values; {where}") from None
         raise
-    _repoint(flat, tensors, places, away=set(moved))
+    _repoint(flat, tensors, places, away)
     return flat
 
 
