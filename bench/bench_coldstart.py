@@ -134,6 +134,19 @@ def _median(runs: list[dict]) -> dict:
             "processes_that_died_at_exit": len(aborted)}
 
 
+def _paired(off: dict, on: dict, fields: tuple) -> dict:
+    """The median of key on minus key off over the rounds (one process of each, run one after the other), and
+    how many rounds key on was the faster: less exposed to the host's drift than the difference of medians."""
+    import statistics
+
+    pairs = [(sum(a[f] for f in fields), sum(b[f] for f in fields))
+             for a, b in zip(off.get("runs", []), on.get("runs", []))]
+    if not pairs:
+        return {}
+    return {"paired_median_on_minus_off": statistics.median(b - a for a, b in pairs),
+            "rounds_key_on_faster": sum(b < a for a, b in pairs), "rounds": len(pairs)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cell", nargs=2, metavar=("STEP", "BACKEND"), help=argparse.SUPPRESS)
@@ -152,24 +165,29 @@ def main(argv=None) -> int:
 
     cells: dict[str, dict] = {}
     for step in args.steps:
-        for backend in args.backends:
-            cache = tempfile.mkdtemp(prefix=f"triton_cache_{step}_{backend}_")
-            for temperature, repeats in (("cold", 1), ("warm", args.warm_repeats)):
-                key = f"{step}/{backend}/{temperature}"
-                runs = []
-                for _ in range(repeats):
-                    result = _child(step, backend, cache, args)
-                    runs.append(result)
-                    if "error" in result:
-                        print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
-                        break
-                    steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
-                                      if k.endswith("_seconds") and k not in ("wall_seconds",))
-                    print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
-                    if "exit_code" in result:
-                        print(f"[coldstart] {key}: the process died at exit (code {result['exit_code']}) after its "
-                              f"step finished:\n{result['exit_tail'][-400:]}", flush=True)
-                cells[key] = _median(runs)
+        caches = {backend: tempfile.mkdtemp(prefix=f"triton_cache_{step}_{backend}_") for backend in args.backends}
+        runs: dict[str, list[dict]] = {f"{step}/{backend}/{t}": [] for backend in args.backends for t in ("cold", "warm")}
+        # Each backend's cold process first (it fills that backend's cache), then the warm ones in rounds of one
+        # process per backend: the host's speed drifts over minutes (session 8's warm cells read key off 1.33-1.91 s),
+        # and back-to-back repeats of one backend would carry that drift into the ratio.
+        order = [(backend, "cold") for backend in args.backends]
+        order += [(backend, "warm") for _ in range(args.warm_repeats) for backend in args.backends]
+        for backend, temperature in order:
+            key = f"{step}/{backend}/{temperature}"
+            if runs[key] and "error" in runs[key][-1]:
+                continue
+            result = _child(step, backend, caches[backend], args)
+            runs[key].append(result)
+            if "error" in result:
+                print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
+                continue
+            steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
+                              if k.endswith("_seconds") and k not in ("wall_seconds",))
+            print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
+            if "exit_code" in result:
+                print(f"[coldstart] {key}: the process died at exit (code {result['exit_code']}) after its "
+                      f"step finished:\n{result['exit_tail'][-400:]}", flush=True)
+        cells.update({key: _median(found) for key, found in runs.items() if found})
     ratios = {}
     for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
         for temperature in ("cold", "warm"):
@@ -183,7 +201,8 @@ def main(argv=None) -> int:
                 suffix = "" if backend == "triton" else f"/{backend}"
                 ratios[f"{step}/{temperature}{suffix}"] = {
                     "key_off_seconds": total_off, "key_on_seconds": total_on,
-                    "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off}
+                    "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off,
+                    **_paired(off, on, fields)}
     print(json.dumps(ratios, indent=1), flush=True)
     from bench.harness import write_result
 

@@ -44,7 +44,8 @@ if want demo; then
     --callees 'min_over_ranks|all_ranks|probe_memory|_build' --out "$out/pstats"
 fi
 if want zero2; then
-  step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton triton-warmup --warm-repeats 6 \
+  # Warm processes in rounds of key off then key on (8 rounds): the ratio from pairs, not from drifting blocks.
+  step timeout 240 python3 bench/bench_coldstart.py --steps zero2 --backends torch triton --warm-repeats 8 \
     --out "$out/coldstart_zero2.json"
 fi
 if want zero3; then

@@ -3,7 +3,7 @@
     python bench/probe_turns.py [--out FILE.json]
 
 For pack (b) (2,000 tensors) and the LLM mix (602), on torch's route (before the kernels are loaded) and then the
-kernels' (after): each turn's host start and end and the
+kernels' (after): the whole call as one plan against ``fresh=True`` (median of 10); each turn's host start and end and the
 device's end of that turn's copy (a CUDA event), relative to the call's start, so a device idling between turns
 shows; torch.profiler's CUDA runtime calls of one call in turns against one plan (a cudaHostAlloc or a
 synchronize inside the call would serialise the turns); then the flatten's device tier of the LLM mix under
@@ -95,6 +95,17 @@ def main() -> int:
             for _ in range(3):  # compile and cache every variant, both ways
                 pack(flat, params, offsets, fresh=True)
                 pack_plan(flat, params, offsets).launch()
+            one_plan, fresh = [], []
+            for _ in range(10):  # the whole call, as a user makes it: one plan against pack(fresh=True)
+                for way, times in ((False, one_plan), (True, fresh)):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    pack(flat, params, offsets, fresh=way)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - start) * 1e3)
+            medians = {"one_plan_ms": sorted(one_plan)[5], "fresh_ms": sorted(fresh)[5]}
+            print(f"{route} {name} whole call, median of 10: one plan {medians['one_plan_ms']:.2f} ms, "
+                  f"fresh=True {medians['fresh_ms']:.2f} ms", flush=True)
             rows = [timeline(flat, params, offsets) for _ in range(3)][-1]
             for row in rows[:-1]:
                 print(f"{route} {name} turn of {row['pieces']:4d}: host {row['host_start_ms']:6.2f} -> "
@@ -105,7 +116,7 @@ def main() -> int:
             for way, found in calls.items():
                 print(f"{route} {name} {way}: " + "; ".join(f"{k} x{c} {ms:.2f} ms" for k, c, ms in found[:10]),
                       flush=True)
-            figures[f"{route}_{name}"] = {"turns": rows, "runtime_calls": calls}
+            figures[f"{route}_{name}"] = {"turns": rows, "runtime_calls": calls, **medians}
     del cases, params, flat
     torch.cuda.empty_cache()
 

@@ -97,9 +97,11 @@ class PackPieces(Sequence):
             return [self[k] for k in range(*i.indices(len(self)))]
         return Piece(self.sources[i], int(self.start[i]), int(self.count[i]), int(self.offset[i]))
 
-    def part(self, a: int, b: int) -> "PackPieces":
-        """Pieces ``[a, b)``, still as columns."""
-        return PackPieces(self.sources[a:b], self.start[a:b], self.count[a:b], self.offset[a:b], self.numel[a:b])
+    def take(self, indices: np.ndarray) -> "PackPieces":
+        """The pieces at ``indices`` (in that order), still as columns."""
+        sources = self.sources
+        return PackPieces([sources[i] for i in indices.tolist()], self.start[indices], self.count[indices],
+                          self.offset[indices], self.numel[indices])
 
 
 def _sources_of(pieces: Sequence[Piece]) -> list:
@@ -461,7 +463,7 @@ def _split_by_unit(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: i
 
 
 def _word_parts(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, unit: int, base: int,
-                chunk_words: int) -> tuple[torch.Tensor, int, int]:
+                chunk_words: int) -> tuple[np.ndarray, int, int]:
     """One int64 table: rows ``[src_addr, dst word offset, words]``, then (from the returned index) the
     prefix sum of the programs (chunks of ``chunk_words``) each row needs; and the total number of programs."""
     word = _word_bytes(unit)
@@ -471,7 +473,7 @@ def _word_parts(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, unit: int,
     np.cumsum(chunks, out=first[1:])
     rows = np.stack([src, (dst - base) // word, words], axis=1).reshape(-1)
     table, at = _with_first_aligned(rows, first)
-    return torch.from_numpy(table), at, int(first[-1])
+    return table, at, int(first[-1])
 
 
 def _word_bytes(unit: int) -> int:
@@ -819,13 +821,11 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         np.concatenate([srcs.offset[dense], zeros[:, 0]]) * itemsize + dst.data_ptr(),
         np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
     )
-    launches, tables = [], []
+    calls = []  # (kernel, grid, host table, where its second part starts, the arguments after the table's parts, meta)
     for unit, (s, d, nbytes) in sorted(_split_by_unit(*segments, base).items()):
         word = _word_bytes(unit)
         table, at, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
-        table = _to_device(table, dst.device)
-        tables.append(table)
-        launches.append((jit.copy_words, (programs,), (table, table[at:], len(s), storage), dict(
+        calls.append((jit.copy_words, (programs,), table, at, (len(s), storage), dict(
             WORD=jit.word_types[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
             CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
 
@@ -839,15 +839,32 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         first = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum([t for _, t in entries], out=first[1:])
         table, at = _with_first_aligned(np.array([d for d, _ in entries], dtype=np.int64).reshape(-1), first)
-        table = _to_device(torch.from_numpy(table), dst.device)
-        tables.append(table)
-        launches.append((jit.gather_tile, (int(first[-1]),),
-                         (table, table[at:], len(entries), storage), dict(
+        calls.append((jit.gather_tile, (int(first[-1]),), table, at, (len(entries), storage), dict(
             WORD=jit.int_for_itemsize[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
             BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
             SIZE_ALIGN=size_align, SMALL=small,
             num_warps=tuning.tile_warps)))
-    return Plan(launches, keep_alive, tables, _launch_stream(dst))
+
+    uploaded, parts = _upload([table for _, _, table, _, _, _ in calls], dst.device)
+    launches = [(kernel, grid, (part, part[at:], *rest), meta)
+                for (kernel, grid, _, at, rest, meta), part in zip(calls, parts)]
+    return Plan(launches, keep_alive, uploaded, _launch_stream(dst))
+
+
+def _upload(tables: list[np.ndarray], device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every launch's table in one host-to-device copy (an upload has a fixed cost of tens of microseconds on
+    an H200's host, and a plan has up to a launch per word class), each starting on a 16-byte boundary: Triton
+    compiles a separate kernel for a pointer that is not. Returns the uploaded tensors (none for no table) and
+    each table's view of them."""
+    if not tables:
+        return [], []
+    starts = np.zeros(len(tables) + 1, dtype=np.int64)
+    np.cumsum([len(t) + len(t) % 2 for t in tables], out=starts[1:])
+    joined = np.zeros(int(starts[-1]), dtype=np.int64)
+    for table, start in zip(tables, starts.tolist()):
+        joined[start:start + len(table)] = table
+    uploaded = _to_device(torch.from_numpy(joined), device)
+    return [uploaded], [uploaded[start:start + len(table)] for table, start in zip(tables, starts.tolist())]
 
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) -> bool:
@@ -1120,14 +1137,17 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
         w0, w1 = as_index("window[0]", window[0]), as_index("window[1]", window[1])
         if not (0 <= w0 <= w1) or w1 - w0 > dst.numel():
             raise ValueError(f"window=({w0}, {w1}) must satisfy 0 <= w0 <= w1 and fit dst's {dst.numel()} elements")
-    numels = []
-    for i, src in enumerate(sources):
-        if not isinstance(src, torch.Tensor):
-            raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {_show(src)}")
-        numels.append(src.numel())
-    begin = _int64_column([o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)],
-                          lambda i: f"offsets[{i}]")
-    end = begin + np.array(numels, dtype=np.int64)
+    # One pass per fact over thousands of sources (the first turn of a fresh pack waits for this): a type per
+    # source, then its numel; one at a time only to name a culprit.
+    if not all(issubclass(kind, torch.Tensor) for kind in {type(src) for src in sources}):
+        for i, src in enumerate(sources):
+            if not isinstance(src, torch.Tensor):
+                raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {_show(src)}")
+    numels = np.array([src.numel() for src in sources], dtype=np.int64)
+    if not {type(o) for o in offsets} <= {int}:
+        offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
+    begin = _int64_column(offsets, lambda i: f"offsets[{i}]")
+    end = begin + numels
     i = _first(begin < 0)
     if i is not None:
         raise ValueError(f"offsets[{i}]={int(begin[i])} is negative")

@@ -6,11 +6,17 @@ per tensor on an H200's host: for 2,000 tensors ~5 ms, most of a 7 ms copy, duri
 
 A buffer allocated for the result (a flatten's or a defragment's flat buffer, a rank's partition) holds
 nothing anyone reads yet: a failure half way through leaves only a buffer that its caller drops. For such a
-``dst`` the pieces go in turns, and the device copies one turn while the host checks the next. What never
+``dst`` the pieces go in turns, and the device copies one turn while the host checks the next. The biggest
+pieces go first: the device then has the most to copy while the host checks the many small ones (the order
+of the writes does not matter, their destinations are disjoint), and the zero ranges go last. What never
 changes: what no turn could check alone (destination ranges disjoint across the whole job, the zero ranges
 inside dst) is checked before any byte is written; each turn is checked in full before its own bytes are
 written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
 its index in the whole job, as a single plan's would.
+
+Turns pay only where the device has something to overlap: on the kernels' route (torch's route before the
+kernels load issues each copy as it is planned, so one plan overlaps already) and for pieces big enough that
+the device's copy of one takes longer than the host's check of the next.
 """
 from __future__ import annotations
 
@@ -21,16 +27,21 @@ import numpy as np
 
 import torch
 
+from . import plan as _plan
 from .plan import PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan, validate
 
-__all__ = ["run_fresh", "turns"]
+__all__ = ["run_fresh", "schedule", "turns"]
 
-# The first turn is small, so that the device starts early; each next one doubles, so that a turn's checks take
-# about as long as the device's copy of the turn before. A turn has a fixed cost besides its ~1 us per piece: one
-# plan's numpy, table uploads and launches, ~0.5 ms on the H200's host (batch s8d), which 64 pieces doubling to
-# 512 paid seven times for 2,000 pieces (the early turns host-bound); 128 doubling to 1,024 pays it five times.
-FIRST_TURN = 128
+# The first turn is small, so that the device starts early; each next one doubles, so that the fixed cost of a
+# turn (one plan's numpy, its table upload and launches: ~0.5 ms on the H200's host, batch s8d) is paid a few
+# times only. Jobs of up to MIN_PIECES pieces go as one plan: there is little to overlap.
+FIRST_TURN = 32
 LAST_TURN = 1024
+MIN_PIECES = 128
+# A job whose pieces average fewer bytes goes as one plan: checking a piece takes ~1 us of the H200's host, and
+# the device copies 2 MiB (read and written) in about that time, so smaller pieces leave it idle between turns
+# anyway and the turns add only their fixed costs (a stage-3 defragment at W = 8: 602 partitions of 1.8 MiB).
+MIN_MEAN_BYTES = 4 << 20
 
 
 def turns(n: int, first: int = FIRST_TURN, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
@@ -43,23 +54,40 @@ def turns(n: int, first: int = FIRST_TURN, last: int = LAST_TURN) -> Iterator[tu
         a, size = b, min(last, 2 * size)
 
 
+def schedule(pieces: PackPieces) -> list[np.ndarray]:
+    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
+    order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
+    return [order[a:b] for a, b in turns(len(order))]
+
+
+def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
+    """Whether :func:`run_fresh` copies ``pieces`` in turns rather than as one plan (module docstring)."""
+    if not isinstance(pieces, PackPieces) or len(pieces) <= MIN_PIECES or not _plan.kernels_loaded(dst.device):
+        return False
+    moved = int(np.maximum(pieces.count, 0).sum()) * dst.element_size()
+    return moved >= MIN_MEAN_BYTES * len(pieces)
+
+
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
               what: str = "sources") -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
-    copy and the same errors, but the pieces are checked and copied in :func:`turns`. On an error raised after
-    the first turn, dst holds part of the result (drop it); the sources are untouched."""
-    if not isinstance(pieces, PackPieces) or len(pieces) <= FIRST_TURN:
+    copy and the same errors, but the pieces are checked and copied in turns where that pays
+    (:func:`worth_turns`). On an error raised after the first turn, dst holds part of the result (drop it); the
+    sources are untouched."""
+    if not worth_turns(dst, pieces):
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
     zeros = _zero_ranges(zero_ranges, dst)
     with _errors_as_one_plan(dst, pieces, zeros, what):
         _check_destinations(dst, pieces, zeros, what)
-    spans = list(turns(len(pieces)))
-    zeros_of_turn = _turn_of_each_zero_range(pieces, zeros, spans)
-    for t, (a, b) in enumerate(spans):
+    each_turn = schedule(pieces)
+    no_zeros = zeros[:0]
+    for t, indices in enumerate(each_turn):
+        # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
+        zeros_now = zeros if t == len(each_turn) - 1 else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):
-            make_plan(dst, pieces.part(a, b), zeros[zeros_of_turn == t], what=what, run_now=True).launch()
+            make_plan(dst, pieces.take(indices), zeros_now, what=what, run_now=True).launch()
 
 
 @contextmanager
@@ -71,23 +99,6 @@ def _errors_as_one_plan(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray
     except (TypeError, ValueError):
         validate(dst, pieces, zeros, what=what)
         raise
-
-
-def _turn_of_each_zero_range(pieces: PackPieces, zeros: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """The turn that zeroes each zero range: the one whose piece ends where the range begins (else the first).
-
-    So that a turn's pieces and zero ranges tile one span of dst where its pieces are neighbours there (a pack's
-    layout in order, a defragment, a partition), and torch's route cuts all of a turn's views with one ``split``
-    instead of a ``narrow`` each (the first turn would otherwise make thousands of views for the pads alone)."""
-    turn_of_piece = np.repeat(np.arange(len(spans)), [b - a for a, b in spans])
-    live = np.flatnonzero(pieces.count > 0)
-    if not len(live) or not len(zeros):
-        return np.zeros(len(zeros), dtype=np.int64)
-    ends = pieces.offset[live] + pieces.count[live]
-    order = np.argsort(ends, kind="stable")
-    k = np.minimum(np.searchsorted(ends[order], zeros[:, 0]), len(live) - 1)
-    follows = ends[order][k] == zeros[:, 0]
-    return np.where(follows, turn_of_piece[live[order[k]]], 0)
 
 
 def _check_destinations(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray, what: str) -> None:

@@ -1,8 +1,10 @@
 """A copy into a fresh buffer in turns (``kernels/turns.py``): the same bytes and the same errors as one
 plan, what no turn can check alone checked before the first write, the sources never written.
 
-On CPU the kernels run under the Triton interpreter: sources stay a few elements each.
+On CPU the kernels run under the Triton interpreter: sources stay a few elements each, so the tests lift the
+bytes a piece needs on average for turns (``MIN_MEAN_BYTES``) unless they test that rule.
 """
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,9 +13,28 @@ from hypothesis import strategies as st
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
 from ztriton.kernels import turns as turns_module
-from ztriton.kernels.turns import FIRST_TURN, turns
+from ztriton.kernels.turns import FIRST_TURN, MIN_PIECES, schedule, turns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N = MIN_PIECES + 3 * FIRST_TURN + 5  # enough pieces for turns, and more than one turn after the first
+
+
+@pytest.fixture(autouse=True)
+def small_pieces_go_in_turns(monkeypatch):
+    monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 0)
+
+
+def planned_turns(monkeypatch) -> list:
+    """Record the pieces and zero ranges of each plan :func:`run_fresh` makes."""
+    made = []
+    real = turns_module.make_plan
+
+    def recording(dst, pieces, zero_ranges, *args, **kwargs):
+        made.append((pieces, np.array(zero_ranges).reshape(-1, 2)))
+        return real(dst, pieces, zero_ranges, *args, **kwargs)
+
+    monkeypatch.setattr(turns_module, "make_plan", recording)
+    return made
 
 
 @given(n=st.integers(0, 3000), first=st.integers(1, 100), last=st.integers(1, 700))
@@ -43,8 +64,8 @@ def sources_of(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
 
 @pytest.fixture(params=["kernels", "torch_copies"])
 def route(request, monkeypatch):
-    """Each turn planned for the kernels (CPU under the interpreter counts as loaded), or for torch's copies as
-    in a process that has not loaded the kernels yet."""
+    """In turns for the kernels (CPU under the interpreter counts as loaded), or as in a process that has not
+    loaded the kernels yet: one plan of torch's copies."""
     if request.param == "torch_copies":
         monkeypatch.setattr(plan_module, "kernels_loaded", lambda device: False)
     return request.param
@@ -53,11 +74,11 @@ def route(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.float32])
 @pytest.mark.parametrize("window", [None, (37, 900)])
 def test_fresh_pack_is_the_pack(route, dtype, window):
-    sources = sources_of(3 * FIRST_TURN + 5, dtype, seed=7)
+    sources = sources_of(N, dtype, seed=7)
     offsets, at = [], 3
     for s in sources:
         offsets.append(at)
-        at += s.numel() + 2  # a gap after each source: zeroed by the first turn
+        at += s.numel() + 2  # a gap after each source: zeroed by the last turn
     numel = at if window is None else window[1] - window[0]
     expected = torch.empty(numel, dtype=dtype, device=DEVICE)
     pack(expected, sources, offsets, window)  # one plan: every source checked before the first byte moves
@@ -73,7 +94,7 @@ def test_fresh_pack_is_the_pack(route, dtype, window):
 
 
 def test_fresh_pack_slices_is_pack_slices(route):
-    sources = sources_of(2 * FIRST_TURN + 1, torch.bfloat16, seed=3)
+    sources = sources_of(N, torch.bfloat16, seed=3)
     slices, at = [], 0
     for s in sources:
         count = max(0, s.numel() - 1)
@@ -86,28 +107,69 @@ def test_fresh_pack_slices_is_pack_slices(route):
     assert torch.equal(bits(got), bits(expected))
 
 
-def test_each_turn_is_one_plan_and_the_first_starts_small(monkeypatch):
-    """The copy really goes in turns: the first plan holds FIRST_TURN pieces, the ones after more each."""
-    sizes = []
-    real = turns_module.make_plan
+def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
+    """The copy really goes in turns of FIRST_TURN pieces, then twice as many: the biggest first (the device gets
+    the most to copy while the host checks the rest), every zero range in the last turn."""
+    made = planned_turns(monkeypatch)
+    sources = sources_of(N, torch.float32, seed=1)
+    offsets = [10 * k + 1 for k in range(len(sources))]
+    dst = torch.empty(10 * len(sources), device=DEVICE)
+    pack(dst, sources, offsets, fresh=True)
+    assert [len(p) for p, _ in made] == [b - a for a, b in turns(N)] and len(made) > 2
+    counts = [p.count for p, _ in made]
+    assert all(a.min() >= b.max() for a, b in zip(counts, counts[1:])), "a smaller piece went before a bigger one"
+    assert all(len(z) == 0 for _, z in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each source, one after
+    assert sorted(i for p, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected))
 
-    def counting(dst, pieces, *args, **kwargs):
-        sizes.append(len(pieces))
-        return real(dst, pieces, *args, **kwargs)
 
-    monkeypatch.setattr(turns_module, "make_plan", counting)
-    sources = sources_of(4 * FIRST_TURN, torch.float32, seed=1)  # turns of FIRST_TURN, twice that, the rest
-    offsets = [10 * k for k in range(len(sources))]
-    pack(torch.empty(10 * len(sources), device=DEVICE), sources, offsets, fresh=True)
-    assert sizes == [FIRST_TURN, 2 * FIRST_TURN, FIRST_TURN]
+@given(counts=st.lists(st.integers(-2, 50), max_size=400))
+@settings(max_examples=40, deadline=None)
+def test_schedule_takes_every_piece_once_biggest_first_ties_in_order(counts):
+    pieces = plan_module.PackPieces([None] * len(counts), np.zeros(len(counts), dtype=np.int64),
+                                    np.array(counts, dtype=np.int64), np.zeros(len(counts), dtype=np.int64),
+                                    np.zeros(len(counts), dtype=np.int64))
+    each_turn = schedule(pieces)
+    assert [len(t) for t in each_turn] == [b - a for a, b in turns(len(counts))]
+    order = np.concatenate(each_turn).tolist() if each_turn else []
+    assert sorted(order) == list(range(len(counts)))
+    keys = [(-max(counts[i], 0), i) for i in order]
+    assert keys == sorted(keys)
+
+
+@pytest.mark.parametrize("case", ["few pieces", "small pieces", "kernels not loaded", "not columns"])
+def test_one_plan_where_turns_do_not_pay(monkeypatch, case):
+    """Up to MIN_PIECES pieces, pieces averaging under MIN_MEAN_BYTES, a process that has not loaded the kernels
+    (torch issues each copy as it plans it), pieces that are not columns: one plan, with the same bytes."""
+    made = planned_turns(monkeypatch)
+    planned_once = []
+    real_run_plan = turns_module.run_plan
+    monkeypatch.setattr(turns_module, "run_plan", lambda *a, **k: (planned_once.append(1), real_run_plan(*a, **k)))
+    sources = sources_of(MIN_PIECES if case == "few pieces" else N, torch.float32, seed=4)
+    if case == "small pieces":
+        numel = sum(s.numel() for s in sources)
+        monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 4 * numel // len(sources) + 1)
+    if case == "kernels not loaded":
+        monkeypatch.setattr(plan_module, "kernels_loaded", lambda device: False)
+    slices = [(s, 0, s.numel(), 10 * k) for k, s in enumerate(sources)]
+    if case == "not columns":
+        slices[5] = (sources[5], np.int64(0), sources[5].numel(), 50)  # a numpy index: checked one piece at a time
+    dst = torch.empty(10 * len(sources), device=DEVICE)
+    pack_slices(dst, slices, fresh=True)
+    assert made == [] and planned_once == [1]
+    expected = torch.empty_like(dst)
+    torch_pack_slices(expected, slices)
+    assert torch.equal(bits(dst), bits(expected))
 
 
 def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes():
-    sources = sources_of(4 * FIRST_TURN, torch.float32, seed=5)
-    bad = 3 * FIRST_TURN + 7  # in the third turn: [3, 4) x FIRST_TURN
-    assert [a for a, b in turns(len(sources)) if a <= bad < b] == [3 * FIRST_TURN]
-    sources[bad] = sources[bad].to(torch.float64)
+    sources = sources_of(N, torch.float32, seed=5)
     offsets = [10 * k for k in range(len(sources))]
+    dst = torch.empty(10 * len(sources), device=DEVICE)
+    bad = int(schedule(plan_module.pack_pieces(dst, sources, offsets)[0])[-1][3])  # in the last turn
+    sources[bad] = sources[bad].to(torch.float64)
     before = [bits(s).clone() for s in sources]
     with pytest.raises(TypeError) as whole:
         pack(torch.empty(10 * len(sources), device=DEVICE), sources, offsets)
@@ -119,37 +181,20 @@ def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes
 
 
 def test_destinations_overlapping_across_turns_are_refused_before_any_write():
-    """Slices 3 (first turn) and 200 (second) overlap in dst: no single turn sees both, the whole job's check
-    does, before the first byte is written."""
-    sources = sources_of(3 * FIRST_TURN + 10, torch.float32, seed=9)
+    """Two slices in different turns overlap in dst: no single turn sees both, the whole job's check does,
+    before the first byte is written."""
+    sources = sources_of(N, torch.float32, seed=9)
     slices = [(s, 0, s.numel(), 16 * k) for k, s in enumerate(sources)]
-    assert [a for a, b in turns(len(slices)) if a <= 200 < b] == [FIRST_TURN]
-    slices[200] = (sources[200], 0, 1, slices[3][3])
     dst = torch.full((16 * len(sources),), 7.0, device=DEVICE)
-    with pytest.raises(ValueError, match=r"slices\[3\].*slices\[200\].*overlap"):
+    each_turn = schedule(plan_module.slices_to_pieces(dst, slices)[0])
+    one, other = int(each_turn[0][0]), int(each_turn[-1][0])  # a piece of the first turn, one of the last
+    slices[other] = (sources[other], 0, 1, slices[one][3])  # smaller still: it stays in the last turn
+    each_turn = schedule(plan_module.slices_to_pieces(dst, slices)[0])
+    assert one in each_turn[0].tolist() and other in each_turn[-1].tolist() and len(each_turn) > 2
+    early, late = sorted([one, other])
+    with pytest.raises(ValueError, match=rf"slices\[{early}\].*slices\[{late}\].*overlap"):
         pack_slices(dst, slices, fresh=True)
     assert bool((dst == 7.0).all())
-
-
-def test_each_pad_goes_with_the_turn_of_the_piece_before_it_so_a_turn_tiles_one_span():
-    """With the sources laid out in order, a turn's pieces and the pads after them cover one span of dst, so
-    torch's route cuts that turn's views with one split; a pad before every piece goes with the first turn."""
-    sources = sources_of(3 * FIRST_TURN + 5, torch.float32, seed=11)
-    offsets, at = [], 3
-    for s in sources:
-        offsets.append(at)
-        at += s.numel() + 2
-    dst = torch.empty(at, device=DEVICE)
-    pieces, zeros = plan_module.pack_pieces(dst, sources, offsets)
-    spans = list(turns(len(pieces)))
-    turn_of = turns_module._turn_of_each_zero_range(pieces, zeros, spans)
-    assert turn_of[0] == 0 and zeros[0, 0] == 0  # the pad before the first source
-    for t, (a, b) in enumerate(spans):
-        mine = zeros[turn_of == t]
-        segments = sorted([(int(o), int(c)) for o, c in zip(pieces.offset[a:b], pieces.count[a:b])] +
-                          [(int(o), int(c)) for o, c in mine])
-        assert all(o2 == o1 + c1 for (o1, c1), (o2, _) in zip(segments, segments[1:])), f"turn {t} leaves a hole"
-    assert set(turn_of.tolist()) <= set(range(len(spans)))
 
 
 @pytest.mark.parametrize("segments, gaps", [
@@ -169,7 +214,7 @@ def test_cut_gives_the_views_narrow_would(segments, gaps):
 def test_a_job_with_several_faults_gets_the_error_one_plan_gives(case):
     """The whole job's overlap check runs before any turn; when it fails, the error is still the one a single
     plan raises first (types before ranges before overlaps), and nothing is written."""
-    sources = [torch.arange(4, dtype=torch.float32, device=DEVICE) + k for k in range(2 * FIRST_TURN)]
+    sources = [torch.arange(4, dtype=torch.float32, device=DEVICE) + k for k in range(N)]
     slices = [(s, 0, 4, 8 * k) for k, s in enumerate(sources)]
     size = 8 * len(sources)
     if case == "bad dtype beside an overlap":
