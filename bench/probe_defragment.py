@@ -48,21 +48,33 @@ def partitions(world: int) -> list[torch.Tensor]:
     return tensors
 
 
+def one_plan():
+    """Within it, a fresh pack goes as one plan (no turns): the A/B of the pack's two ways in one run."""
+    from unittest import mock
+
+    from ztriton.kernels import turns
+
+    return mock.patch.object(turns, "MIN_PIECES", 1 << 62)
+
+
 def device_tier(world: int, repeat: int) -> dict:
     tensors = partitions(world)
     total = sum(t.numel() for t in tensors)
     _, probe_ms = timed(lambda: memory.probe_memory(CUDA))
     flat, alloc_ms = timed(lambda: torch.empty(total, dtype=torch.bfloat16, device=CUDA))
+    with one_plan():
+        _, one_plan_ms = timed(lambda: D._copy_into(flat, tensors, D._places(tensors)))
     _, pack_ms = timed(lambda: D._copy_into(flat, tensors, D._places(tensors)))
     _, repoint_ms = timed(lambda: D._repoint(flat, tensors, D._places(tensors)))
     del flat
     again = partitions(world)  # in module buffers, as a real call finds them (clones would be 602 allocations)
     _, whole_ms = timed(lambda: D.defragment(again))
     row = {"world": world, "gib": total * 2 / 2**30, "partitions": len(tensors), "probe_ms": probe_ms,
-           "alloc_ms": alloc_ms, "pack_ms": pack_ms, "repoint_ms": repoint_ms, "whole_ms": whole_ms}
+           "alloc_ms": alloc_ms, "pack_ms": pack_ms, "pack_one_plan_ms": one_plan_ms, "repoint_ms": repoint_ms,
+           "whole_ms": whole_ms}
     print(f"W={world} {row['gib']:.2f} GiB {len(tensors)} partitions (run {repeat}): probe {probe_ms:.2f} ms, "
-          f"alloc {alloc_ms:.2f} ms, pack {pack_ms:.2f} ms, repoint {repoint_ms:.2f} ms; whole defragment "
-          f"{whole_ms:.2f} ms", flush=True)
+          f"alloc {alloc_ms:.2f} ms, pack {pack_ms:.2f} ms (as one plan {one_plan_ms:.2f} ms), repoint "
+          f"{repoint_ms:.2f} ms; whole defragment {whole_ms:.2f} ms", flush=True)
     del tensors, again
     torch.cuda.empty_cache()
     return row
@@ -107,9 +119,16 @@ def evict_tier(world: int = 1, calls: int = 3) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--repeats", type=int, default=6, help="device-tier runs per world size")
     args = parser.parse_args()
-    figures = {"device": [device_tier(world, repeat) for world in (8, 1) for repeat in range(2)],
-               "evict": evict_tier()}
+    rows = [device_tier(world, repeat) for world in (8, 1) for repeat in range(args.repeats)]
+    medians = {}
+    for world in (8, 1):
+        mine = [r for r in rows[1:] if r["world"] == world]  # the first run of the process pays first calls
+        medians[f"W={world}"] = {k: statistics.median(r[k] for r in mine) for k in mine[0] if k.endswith("_ms")}
+        print(f"W={world} median of runs after the first: " +
+              ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in medians[f"W={world}"].items()), flush=True)
+    figures = {"device": rows, "device_medians": medians, "evict": evict_tier()}
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "figures": figures}, indent=1))
     return 0

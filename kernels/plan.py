@@ -439,41 +439,54 @@ def _units(values: np.ndarray) -> np.ndarray:
     return np.where((low == 0) | (low > 16), 16, low)
 
 
-def _split_by_unit(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: int) -> dict:
-    """Cut byte segments ``(src, dst, nbytes)`` into parts of one word class each: ``{unit: (s, d, n)}``.
+class _WordClass(NamedTuple):
+    """One launch of the word copy: segments whose addresses and lengths all divide by ``unit`` bytes."""
 
-    Source and destination can share a 16-byte phase only if their difference is a multiple of 16;
-    the head up to the first aligned destination byte and the tail after the last whole word go to
-    narrower classes. ``src == 0`` is a zero fill, which only the destination constrains. The kernel
-    addresses dst in words from ``base``, so a word may not be wider than base's alignment.
+    unit: int
+    table: np.ndarray  # int64 rows [src_addr, dst word offset, words], then (from ``at``) each row's first program
+    at: int
+    rows: int
+    programs: int
+
+
+def _word_classes(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: int, chunk_bytes: int
+                  ) -> list[_WordClass]:
+    """Byte segments ``(src, dst, nbytes)`` as launches of one word class each, narrowest class first.
+
+    Source and destination can share a 16-byte phase only if their difference is a multiple of 16; the head
+    up to the first aligned destination byte and the tail after the last whole word go to narrower classes.
+    ``src == 0`` is a zero fill, which only the destination constrains. The kernel addresses dst in words from
+    ``base``, so a word may not be wider than base's alignment. Each row gets ``chunk_bytes`` per program.
+
+    Vectorised over every part of every segment at once and cut by class at the end: a kernel turn's fixed
+    cost on an H200's host was mostly this planning's numpy calls (batch s9a), a few per class per part before.
     """
     zero = src == 0
     phase = _units(np.where(zero, base, (src - dst) | base))
     head = np.minimum(nbytes, np.remainder(-dst, phase))
     body = (nbytes - head) // phase * phase
-    classes: dict[int, list] = {}
-    for skip, length in ((0, head), (head, body), (head + body, nbytes - head - body)):
-        s = np.where(zero, 0, src + skip)
-        d = dst + skip
-        unit = _units(np.where(zero, d, s) | d | length | base)
-        for u in np.unique(unit[length > 0]).tolist():
-            sel = (length > 0) & (unit == u)
-            classes.setdefault(u, []).append((s[sel], d[sel], length[sel]))
-    return {u: tuple(np.concatenate(cols) for cols in zip(*parts)) for u, parts in classes.items()}
-
-
-def _word_parts(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, unit: int, base: int,
-                chunk_words: int) -> tuple[np.ndarray, int, int]:
-    """One int64 table: rows ``[src_addr, dst word offset, words]``, then (from the returned index) the
-    prefix sum of the programs (chunks of ``chunk_words``) each row needs; and the total number of programs."""
-    word = _word_bytes(unit)
-    words = nbytes // word
-    chunks = (words + chunk_words - 1) // chunk_words
-    first = np.zeros(len(src) + 1, dtype=np.int64)
-    np.cumsum(chunks, out=first[1:])
-    rows = np.stack([src, (dst - base) // word, words], axis=1).reshape(-1)
-    table, at = _with_first_aligned(rows, first)
-    return table, at, int(first[-1])
+    skip = np.concatenate([np.zeros_like(head), head, head + body])  # each segment's head, body, tail
+    length = np.concatenate([head, body, nbytes - head - body])
+    zero3 = np.concatenate([zero, zero, zero])
+    d = np.concatenate([dst, dst, dst]) + skip
+    s = np.where(zero3, 0, np.concatenate([src, src, src]) + skip)
+    unit = _units(np.where(zero3, d, s) | d | length | base)
+    live = np.flatnonzero(length > 0)
+    live = live[np.argsort(unit[live], kind="stable")]  # by class; within one, heads, bodies, tails in order
+    unit, s, d, length = unit[live], s[live], d[live], length[live]
+    word = np.where(unit == 16, 8, unit)  # 16-byte words travel as pairs of int64
+    words = length // word
+    chunks = -(-words // (chunk_bytes // word))
+    rows = np.stack([s, (d - base) // word, words], axis=1)
+    first = np.concatenate([[0], np.cumsum(chunks)])
+    cuts = [0, *(np.flatnonzero(unit[1:] != unit[:-1]) + 1).tolist(), len(unit)]
+    classes = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if a == b:
+            continue
+        table, at = _with_first_aligned(rows[a:b].reshape(-1), first[a:b + 1] - first[a])
+        classes.append(_WordClass(int(unit[a]), table, at, b - a, int(first[b] - first[a])))
+    return classes
 
 
 def _word_bytes(unit: int) -> int:
@@ -822,10 +835,9 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
     )
     calls = []  # (kernel, grid, host table, where its second part starts, the arguments after the table's parts, meta)
-    for unit, (s, d, nbytes) in sorted(_split_by_unit(*segments, base).items()):
+    for unit, table, at, rows, programs in _word_classes(*segments, base, tuning.chunk_bytes):
         word = _word_bytes(unit)
-        table, at, programs = _word_parts(s, d, nbytes, unit, base, tuning.chunk_bytes // word)
-        calls.append((jit.copy_words, (programs,), table, at, (len(s), storage), dict(
+        calls.append((jit.copy_words, (programs,), table, at, (rows, storage), dict(
             WORD=jit.word_types[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
             CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
 

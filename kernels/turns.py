@@ -20,6 +20,7 @@ the device's copy of one takes longer than the host's check of the next.
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -28,14 +29,20 @@ import numpy as np
 import torch
 
 from . import plan as _plan
-from .plan import PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan, validate
+from .plan import (PackPieces, Piece, Tuning, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan,
+                   validate)
 
 __all__ = ["run_fresh", "schedule", "turns"]
 
-# The first turn is small, so that the device starts early; each next one doubles, so that the fixed cost of a
-# turn (one plan's numpy, its table upload and launches: ~0.5 ms on the H200's host, batch s8d) is paid a few
-# times only. Jobs of up to MIN_PIECES pieces go as one plan: there is little to overlap.
-FIRST_TURN = 32
+# The first turns hold as many pieces as torch copies without a kernel (``Tuning.torch_pieces``): a copy_ per
+# piece costs ~10 us of the H200's host against ~0.8 ms for a kernel turn's fixed cost (its plan's numpy, table
+# upload and launches; batch s9a), so the device starts on the biggest pieces early. The kernel turns after them
+# grow fourfold, so that the fixed cost is paid a few times only. Jobs of up to MIN_PIECES pieces go as one plan:
+# there is little to overlap.
+LEAD_TURNS = 3
+LEAD_SIZE = Tuning().torch_pieces
+FIRST_TURN = 64
+GROWTH = 4
 LAST_TURN = 1024
 MIN_PIECES = 128
 # A job whose pieces average fewer bytes goes as one plan: checking a piece takes ~1 us of the H200's host, and
@@ -44,14 +51,23 @@ MIN_PIECES = 128
 MIN_MEAN_BYTES = 4 << 20
 
 
-def turns(n: int, first: int = FIRST_TURN, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
-    """``[a, b)`` index ranges that cover ``range(n)`` in order: ``first`` pieces, then twice as many each
-    turn, at most ``last``."""
-    a, size = 0, first
+def turns(n: int, lead: int = LEAD_TURNS, lead_size: int = LEAD_SIZE, first: int = FIRST_TURN,
+          growth: int = GROWTH, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` index ranges that cover ``range(n)`` in order: ``lead`` turns of ``lead_size`` pieces, then
+    ``first``, then ``growth`` times as many each turn, at most ``last``."""
+    sizes = itertools.chain(itertools.repeat(lead_size, lead), _growing(first, growth, last))
+    a = 0
     while a < n:
-        b = min(n, a + size)
+        b = min(n, a + next(sizes))
         yield a, b
-        a, size = b, min(last, 2 * size)
+        a = b
+
+
+def _growing(first: int, growth: int, last: int) -> Iterator[int]:
+    size = first
+    while True:
+        yield size
+        size = min(last, growth * size)
 
 
 def schedule(pieces: PackPieces) -> list[np.ndarray]:

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
 from ztriton.kernels import turns as turns_module
-from ztriton.kernels.turns import FIRST_TURN, MIN_PIECES, schedule, turns
+from ztriton.kernels.turns import FIRST_TURN, LEAD_SIZE, LEAD_TURNS, MIN_PIECES, schedule, turns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-N = MIN_PIECES + 3 * FIRST_TURN + 5  # enough pieces for turns, and more than one turn after the first
+N = MIN_PIECES + 3 * FIRST_TURN + 5  # enough pieces for turns: the lead turns, and kernel turns after them
+assert N > LEAD_TURNS * LEAD_SIZE + FIRST_TURN
 
 
 @pytest.fixture(autouse=True)
@@ -30,23 +31,25 @@ def planned_turns(monkeypatch) -> list:
     real = turns_module.make_plan
 
     def recording(dst, pieces, zero_ranges, *args, **kwargs):
-        made.append((pieces, np.array(zero_ranges).reshape(-1, 2)))
-        return real(dst, pieces, zero_ranges, *args, **kwargs)
+        plan = real(dst, pieces, zero_ranges, *args, **kwargs)
+        made.append((pieces, np.array(zero_ranges).reshape(-1, 2), plan))
+        return plan
 
     monkeypatch.setattr(turns_module, "make_plan", recording)
     return made
 
 
-@given(n=st.integers(0, 3000), first=st.integers(1, 100), last=st.integers(1, 700))
+@given(n=st.integers(0, 3000), lead=st.integers(0, 4), lead_size=st.integers(1, 20), first=st.integers(1, 100),
+       growth=st.integers(1, 4), last=st.integers(1, 700))
 @settings(max_examples=60, deadline=None)
-def test_turns_cover_every_index_once_in_order(n, first, last):
-    spans = list(turns(n, first, last))
+def test_turns_cover_every_index_once_in_order(n, lead, lead_size, first, growth, last):
+    spans = list(turns(n, lead, lead_size, first, growth, last))
     assert [i for a, b in spans for i in range(a, b)] == list(range(n))
-    full, size = [], first  # each turn twice the one before, from first, at most last; the final one what is left
+    full, size = [lead_size] * lead, first  # lead turns, then first, growth times more each turn, at most last
     while sum(full) < n:
         full.append(size)
-        size = min(last, 2 * size)
-    assert [b - a for a, b in spans][:-1] == full[:-1]
+        size = min(last, growth * size)
+    assert [b - a for a, b in spans][:-1] == full[:len(spans) - 1]
 
 
 def sources_of(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -108,18 +111,20 @@ def test_fresh_pack_slices_is_pack_slices(route):
 
 
 def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
-    """The copy really goes in turns of FIRST_TURN pieces, then twice as many: the biggest first (the device gets
-    the most to copy while the host checks the rest), every zero range in the last turn."""
+    """The copy really goes in turns (:func:`turns`' sizes): the biggest first (the device gets the most to copy
+    while the host checks the rest), every zero range in the last turn."""
     made = planned_turns(monkeypatch)
     sources = sources_of(N, torch.float32, seed=1)
     offsets = [10 * k + 1 for k in range(len(sources))]
     dst = torch.empty(10 * len(sources), device=DEVICE)
     pack(dst, sources, offsets, fresh=True)
-    assert [len(p) for p, _ in made] == [b - a for a, b in turns(N)] and len(made) > 2
-    counts = [p.count for p, _ in made]
+    assert [len(p) for p, _, _ in made] == [b - a for a, b in turns(N)] and len(made) > LEAD_TURNS + 1
+    counts = [p.count for p, _, _ in made]
     assert all(a.min() >= b.max() for a, b in zip(counts, counts[1:])), "a smaller piece went before a bigger one"
-    assert all(len(z) == 0 for _, z in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each source, one after
-    assert sorted(i for p, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
+    assert all(len(z) == 0 for _, z, _ in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each, one after
+    assert sorted(i for p, _, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
+    # The lead turns are torch's copies (issued as planned: nothing left to launch), the turns after them kernels.
+    assert [bool(plan.launches) for _, _, plan in made] == [False] * LEAD_TURNS + [True] * (len(made) - LEAD_TURNS)
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
