@@ -10,6 +10,7 @@ synchronize inside the call would serialise the turns); then the flatten's devic
 cProfile (where its host time goes beside the pack).
 """
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -22,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_kernels import group_layout, make_params  # noqa: E402
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402
-from ztriton.kernels import KERNELS_ONLY, pack, pack_plan  # noqa: E402
+from ztriton.kernels import KERNELS_ONLY, make_plan, pack, pack_plan  # noqa: E402
+from ztriton.kernels.plan import pack_pieces  # noqa: E402
 from ztriton.kernels import turns as turns_module  # noqa: E402
 
 
@@ -75,13 +77,71 @@ def runtime_calls(fn) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])
 
 
+# (lead turns, first kernel turn, growth): the schedules compared in one process, each the whole call's median.
+SCHEDULES = [(0, 32, 2), (0, 32, 4), (0, 64, 4), (0, 128, 2), (0, 128, 8), (3, 64, 4)]
+
+
+def schedules(cases: dict) -> dict:
+    """pack(fresh=True)'s whole call under each schedule of turns (kernels loaded), interleaved, median of 10;
+    one plan beside them."""
+    from unittest import mock
+
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
+    ways = [("one plan", None)] + [(f"lead {lead}, first {first}, x{growth}", (lead, first, growth))
+                                   for lead, first, growth in SCHEDULES]
+    for _ in range(10):
+        for name, (params, offsets, flat) in cases.items():
+            for label, way in ways:
+                patches = [mock.patch.object(turns_module, "MIN_PIECES", 1 << 62)] if way is None else [
+                    mock.patch.object(turns_module, "LEAD_TURNS", way[0]),
+                    mock.patch.object(turns_module, "FIRST_TURN", way[1]),
+                    mock.patch.object(turns_module, "GROWTH", way[2])]
+                with contextlib.ExitStack() as stack:
+                    for patch in patches:
+                        stack.enter_context(patch)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    pack(flat, params, offsets, fresh=True)
+                    torch.cuda.synchronize()
+                times[name].setdefault(label, []).append((time.perf_counter() - start) * 1e3)
+    medians = {name: {label: sorted(t)[len(t) // 2] for label, t in found.items()} for name, found in times.items()}
+    for name, found in medians.items():
+        print(f"schedules {name}: " + "; ".join(f"{label} {ms:.2f} ms" for label, ms in found.items()), flush=True)
+    return medians
+
+
+def turn_cost(case) -> dict:
+    """Where one kernel turn's fixed cost goes: cProfile of 50 plans of 64 pieces (the biggest of pack (b))."""
+    params, offsets, flat = case
+    pieces, _ = pack_pieces(flat, params, offsets)
+    first = pieces.take(turns_module.np.argsort(-pieces.count, kind="stable")[:64])
+    none = turns_module.np.zeros((0, 2), dtype=turns_module.np.int64)
+    for _ in range(5):
+        make_plan(flat, first, none, tuning=KERNELS_ONLY, run_now=True).launch()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        make_plan(flat, first, none, tuning=KERNELS_ONLY, run_now=True).launch()
+    host_ms = (time.perf_counter() - start) * 1e3 / 50
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(50):
+        make_plan(flat, first, none, tuning=KERNELS_ONLY, run_now=True).launch()
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"one kernel turn of 64 pieces: {host_ms:.3f} ms of host (no profiler); cProfile of 50:", flush=True)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return {"host_ms": host_ms}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     figures = {}
     cases = {}
-    for name, shapes in (("b_2000", log_uniform_mix()), ("llm_602", llm_mix())):
+    for name, shapes in (("b_2000", log_uniform_mix()), ("llm_602", llm_mix()), ("a_200", [[16 << 20]] * 200)):
         params = make_params(shapes)
         layout, offsets = group_layout(params)
         cases[name] = (params, offsets, torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda"))
@@ -117,6 +177,8 @@ def main() -> int:
                 print(f"{route} {name} {way}: " + "; ".join(f"{k} x{c} {ms:.2f} ms" for k, c, ms in found[:10]),
                       flush=True)
             figures[f"{route}_{name}"] = {"turns": rows, "runtime_calls": calls, **medians}
+    figures["schedules"] = schedules(cases)
+    figures["turn_cost"] = turn_cost(cases["b_2000"])
     del cases, params, flat
     torch.cuda.empty_cache()
 

@@ -73,7 +73,7 @@ def _growing(first: int, growth: int, last: int) -> Iterator[int]:
 def schedule(pieces: PackPieces) -> list[np.ndarray]:
     """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
     order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
-    return [order[a:b] for a, b in turns(len(order))]
+    return [order[a:b] for a, b in turns(len(order), LEAD_TURNS, LEAD_SIZE, FIRST_TURN, GROWTH, LAST_TURN)]
 
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
