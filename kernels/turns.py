@@ -20,7 +20,6 @@ the device's copy of one takes longer than the host's check of the next.
 """
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -29,18 +28,16 @@ import numpy as np
 import torch
 
 from . import plan as _plan
-from .plan import (PackPieces, Piece, Tuning, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan,
-                   validate)
+from .plan import PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan, validate
 
 __all__ = ["run_fresh", "schedule", "turns"]
 
-# The first turns hold as many pieces as torch copies without a kernel (``Tuning.torch_pieces``): a copy_ per
-# piece costs ~10 us of the H200's host against ~0.8 ms for a kernel turn's fixed cost (its plan's numpy, table
-# upload and launches; batch s9a), so the device starts on the biggest pieces early. The kernel turns after them
-# grow fourfold, so that the fixed cost is paid a few times only. Jobs of up to MIN_PIECES pieces go as one plan:
-# there is little to overlap.
-LEAD_TURNS = 3
-LEAD_SIZE = Tuning().torch_pieces
+# The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
+# big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches: ~0.5 ms on the H200's
+# host, batch s9c) is paid a few times only: five turns for 2,000 pieces. Batch s9c compared schedules in one
+# process: 64 growing fourfold was among the fastest for 2,000, 602 and 200 pieces; three lead turns of 16
+# pieces as torch's copies first were slower (a torch turn's fixed cost is no smaller). Jobs of up to MIN_PIECES
+# pieces go as one plan: there is little to overlap.
 FIRST_TURN = 64
 GROWTH = 4
 LAST_TURN = 1024
@@ -51,29 +48,20 @@ MIN_PIECES = 128
 MIN_MEAN_BYTES = 4 << 20
 
 
-def turns(n: int, lead: int = LEAD_TURNS, lead_size: int = LEAD_SIZE, first: int = FIRST_TURN,
-          growth: int = GROWTH, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
-    """``[a, b)`` index ranges that cover ``range(n)`` in order: ``lead`` turns of ``lead_size`` pieces, then
-    ``first``, then ``growth`` times as many each turn, at most ``last``."""
-    sizes = itertools.chain(itertools.repeat(lead_size, lead), _growing(first, growth, last))
-    a = 0
+def turns(n: int, first: int = FIRST_TURN, growth: int = GROWTH, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` index ranges that cover ``range(n)`` in order: ``first`` pieces, then ``growth`` times as many
+    each turn, at most ``last``."""
+    a, size = 0, first
     while a < n:
-        b = min(n, a + next(sizes))
+        b = min(n, a + size)
         yield a, b
-        a = b
-
-
-def _growing(first: int, growth: int, last: int) -> Iterator[int]:
-    size = first
-    while True:
-        yield size
-        size = min(last, growth * size)
+        a, size = b, min(last, growth * size)
 
 
 def schedule(pieces: PackPieces) -> list[np.ndarray]:
     """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
     order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
-    return [order[a:b] for a, b in turns(len(order), LEAD_TURNS, LEAD_SIZE, FIRST_TURN, GROWTH, LAST_TURN)]
+    return [order[a:b] for a, b in turns(len(order), FIRST_TURN, GROWTH, LAST_TURN)]
 
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
