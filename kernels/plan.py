@@ -98,7 +98,9 @@ class PackPieces(Sequence):
         return Piece(self.sources[i], int(self.start[i]), int(self.count[i]), int(self.offset[i]))
 
     def take(self, indices: np.ndarray) -> "PackPieces":
-        """The pieces at ``indices`` (in that order), still as columns."""
+        """The pieces at ``indices`` (an integer array, in that order), still as columns."""
+        if not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
+            raise TypeError(f"indices must be an integer numpy array, got {_show(indices)}")  # a mask would mis-pick
         sources = self.sources
         return PackPieces([sources[i] for i in indices.tolist()], self.start[indices], self.count[indices],
                           self.offset[indices], self.numel[indices])

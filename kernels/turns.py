@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from . import plan as _plan
-from .plan import PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan, validate
+from .plan import (KERNELS_ONLY, PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan,
+                   validate)
 
-__all__ = ["run_fresh", "schedule", "turns"]
+__all__ = ["run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches: ~0.5 ms on the H200's
@@ -91,7 +92,9 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
         zeros_now = zeros if t == len(each_turn) - 1 else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):
-            make_plan(dst, pieces.take(indices), zeros_now, what=what, run_now=True).launch()
+            # The kernels always (they are loaded: worth_turns): a last turn of a few small pieces would otherwise
+            # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
+            make_plan(dst, pieces.take(indices), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
 
 
 @contextmanager

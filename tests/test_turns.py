@@ -7,7 +7,7 @@ bytes a piece needs on average for turns (``MIN_MEAN_BYTES``) unless they test t
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
@@ -121,13 +121,14 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     assert all(a.min() >= b.max() for a, b in zip(counts, counts[1:])), "a smaller piece went before a bigger one"
     assert all(len(z) == 0 for _, z, _ in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each, one after
     assert sorted(i for p, _, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
-    assert all(plan.launches for _, _, plan in made[:-1])  # kernel turns (the last may be few enough for torch's)
+    assert all(plan.launches for _, _, plan in made)  # kernel turns, the last too (however few its pieces)
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
 
 
 @given(counts=st.lists(st.integers(-2, 50), max_size=400))
+@example(counts=[-1, 0, 2])  # a negative count sorts as an empty piece, after the others
 @settings(max_examples=40, deadline=None)
 def test_schedule_takes_every_piece_once_biggest_first_ties_in_order(counts):
     pieces = plan_module.PackPieces([None] * len(counts), np.zeros(len(counts), dtype=np.int64),
@@ -164,6 +165,29 @@ def test_one_plan_where_turns_do_not_pay(monkeypatch, case):
     expected = torch.empty_like(dst)
     torch_pack_slices(expected, slices)
     assert torch.equal(bits(dst), bits(expected))
+
+
+@pytest.mark.parametrize("short", [0, 1])
+def test_turns_from_exactly_the_minimum_mean_bytes(monkeypatch, short):
+    """The bytes rule at its boundary: pieces averaging MIN_MEAN_BYTES (counted in bytes of dst's dtype) go in
+    turns; six bytes short in all goes as one plan."""
+    from ztriton.kernels.turns import worth_turns
+
+    monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 6)  # three bf16 elements a piece on average
+    n = MIN_PIECES + 1
+    dst = torch.empty(4 * n, dtype=torch.bfloat16, device=DEVICE)
+    counts = np.full(n, 3, dtype=np.int64)
+    counts[0] -= 3 * short  # one piece empty: the job six bytes short of n * MIN_MEAN_BYTES
+    pieces = plan_module.PackPieces([dst] * n, np.zeros(n, dtype=np.int64), counts,
+                                    np.arange(n, dtype=np.int64) * 4, np.full(n, 4, dtype=np.int64))
+    assert worth_turns(dst, pieces) is (short == 0)
+
+
+def test_take_refuses_a_mask():
+    pieces = plan_module.PackPieces([1, 2, 3], *(np.arange(3, dtype=np.int64),) * 4)
+    assert pieces.take(np.array([2, 0])).sources == [3, 1]
+    with pytest.raises(TypeError, match="integer numpy array"):
+        pieces.take(np.array([True, False, True]))
 
 
 def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes():
