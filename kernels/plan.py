@@ -613,10 +613,15 @@ class Tuning:
     # strided sources. 0: always launch the kernels (the kernel tests and benchmarks use it).
     torch_pieces: int = 16
     # In such torch copies, a piece of at least this many bytes gets a copy_ of its own (a memcpy at copy
-    # bandwidth: 16 MiB moves in ~8 us on an H200, about the host time of one copy_ call, so the device is the
-    # bound); the smaller ones go in one torch._foreach_copy_ per word width (~1 us of host time each against
-    # ~8 us for a copy_, at ~0.7x copy bandwidth: bench/results/copy_paths_h200_s7a.json).
-    own_copy_bytes: int = 16 << 20
+    # bandwidth); the others go in torch._foreach_copy_ calls per word width (~1 us of host time a piece, at
+    # ~0.7x copy bandwidth: bench/results/copy_paths_h200_s7a.json). A copy_ with its views costs ~20 us of the
+    # H200's host (torch.profiler, batch s9e: 202 of them were 4 of the ~6.5 ms of host in a flatten's 4.6 ms
+    # pack, so that route was host-bound); from 256 MiB (~125 us of copying) the device time it saves matters
+    # more. Session 7 to 9 used 16 MiB.
+    own_copy_bytes: int = 256 << 20
+    # Under run_now, a _foreach_copy_ is issued each time this many pieces of one word width are ready, so that
+    # the device starts while the host still makes the next pieces' views.
+    batch_pieces: int = 64
 
 
 # Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
@@ -904,11 +909,12 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     source, is aligned to; bytes at worst), as the kernels see them: offsets count elements of dst's flattening
     whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, NaN payloads, fp4 pairs, which
     torch would convert, canonicalise or refuse as their own dtypes). A piece of ``Tuning.own_copy_bytes`` or
-    more gets a ``copy_`` of its own, the rest one ``torch._foreach_copy_`` per word width, the gaps one
+    more gets a ``copy_`` of its own, the rest ``torch._foreach_copy_`` per word width, the gaps one
     ``torch._foreach_zero_``. The views are made, and later written, without autograd (so no ``detach`` per
     source). Where the pieces and gaps cover dst (a pack, a partition) one ``split`` cuts all of dst's views; a
-    source copied whole needs no ``narrow``. ``run_now``: each own copy is issued as soon as its views exist,
-    the rest at the end, in the mode the views were made in; nothing is left to launch.
+    source copied whole needs no ``narrow``. ``run_now``: each own copy is issued as soon as its views exist, a
+    ``_foreach_copy_`` as soon as ``Tuning.batch_pieces`` pieces of its width are ready, the rest at the end, in
+    the mode the views were made in; nothing is left to launch.
     """
     width = dst.element_size()
     live = np.flatnonzero(srcs.count > 0)
@@ -936,6 +942,9 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 batch = batches.setdefault(view.dtype, ([], []))
                 batch[0].append(into)
                 batch[1].append(view)
+                if run_now and len(batch[0]) >= tuning.batch_pieces:
+                    torch._foreach_copy_(*batch)
+                    del batches[view.dtype]
         fills = outs[len(runs.sources):]
         if run_now:
             Plan([], keep_alive, [], None, [], list(batches.values()), fills).copy_with_torch()

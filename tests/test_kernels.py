@@ -890,3 +890,26 @@ def test_torch_copies_view_words_only_at_word_addresses():
             dst.fill_(0)
             plan.launch()
             assert dst.tolist() == list(range(0, 32)) + list(range(40, 72))
+
+
+def test_torch_copies_issued_as_planned_go_in_batches(monkeypatch):
+    """Under run_now, torch's route issues a _foreach_copy_ each time Tuning.batch_pieces pieces of one width are
+    ready (the device starts while the host still makes views), and the bytes are those of one call at the end."""
+    from ztriton.kernels import Tuning, make_plan
+    from ztriton.kernels.plan import pack_pieces
+
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda outs, srcs: (calls.append(len(outs)), real(outs, srcs)))
+    gen = torch.Generator().manual_seed(3)
+    sources = [random_tensor([int(n)], torch.float32, gen) for n in torch.randint(1, 9, (150,), generator=gen)]
+    offsets, end = layout_of([s.numel() for s in sources], [2] * len(sources))
+    flat = poisoned(end, torch.float32)
+    tuning = Tuning(torch_pieces=1000, batch_pieces=64)
+    assert make_plan(flat, *pack_pieces(flat, sources, offsets), tuning=tuning, run_now=True).launches == []
+    assert sum(calls) == 150 and calls[:2] == [64, 64], calls
+    assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, end, torch.float32)))
+    calls.clear()
+    later = poisoned(end, torch.float32)
+    make_plan(later, *pack_pieces(later, sources, offsets), tuning=tuning).launch()  # planned first: one call
+    assert calls == [150] and torch.equal(bits(later), bits(flat))
