@@ -257,3 +257,17 @@ def test_a_job_with_several_faults_gets_the_error_one_plan_gives(case):
         errors.append((type(caught.value), str(caught.value)))
         assert bool((dst == 7.0).all())
     assert errors[0] == errors[1]
+
+
+def test_a_zero_range_over_a_piece_of_another_turn_is_refused_before_any_write():
+    """Zero ranges go with the last turn, the biggest pieces with the first: only the whole job's check sees a
+    caller's zero range lying over a first-turn piece (else the last turn would zero that piece's bytes)."""
+    sources = sources_of(N, torch.float32, seed=13)
+    slices = [(s, 0, s.numel(), 16 * k) for k, s in enumerate(sources)]
+    dst = torch.full((16 * len(sources),), 7.0, device=DEVICE)
+    pieces, _ = plan_module.slices_to_pieces(dst, slices)
+    biggest = int(schedule(pieces)[0][0])
+    over = [(16 * biggest, 1)]  # the first element of a first-turn piece
+    with pytest.raises(ValueError, match=rf"sources\[{biggest}\].*a pad range.*overlap"):
+        turns_module.run_fresh(dst, pieces, over)
+    assert bool((dst == 7.0).all())
