@@ -271,3 +271,68 @@ def test_a_zero_range_over_a_piece_of_another_turn_is_refused_before_any_write()
     with pytest.raises(ValueError, match=rf"sources\[{biggest}\].*a pad range.*overlap"):
         turns_module.run_fresh(dst, pieces, over)
     assert bool((dst == 7.0).all())
+
+
+class _TurnFault(RuntimeError):
+    """Not an allocation failure: the caller must raise it, every input intact."""
+
+
+def _failing_turn(monkeypatch, at: int, error: type[BaseException]) -> list:
+    """The ``at``-th plan made by a copy in turns raises ``error`` (an OOM of its table upload, or any other
+    failure) after the turns before it have written their pieces; returns how many plans were made."""
+    made = []
+    real = turns_module.make_plan
+
+    def failing(*args, **kwargs):
+        made.append(1)
+        if len(made) == at:
+            raise error(f"injected: turn {at}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(turns_module, "make_plan", failing)
+    return made
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, _TurnFault])
+def test_a_flatten_whose_second_turn_fails_keeps_every_param(monkeypatch, error):
+    """A fresh buffer is partly written when a later turn fails: the flatten drops it and falls back to its next
+    tier on an OOM (the right bytes) or raises anything else, every param holding its values either way."""
+    import ztriton
+
+    def params():
+        return [torch.nn.Parameter(s.float()) for s in sources_of(N, torch.float32, seed=17)]
+
+    expected = ztriton.flatten_groups([params()], tier="device")[0].flat.clone()
+    made = _failing_turn(monkeypatch, 2, error)
+    group = params()
+    before = [bits(p).clone() for p in group]
+    if error is torch.OutOfMemoryError:
+        (flat,) = ztriton.flatten_groups([group], tier="device")
+        assert flat.tier is not None and flat.tier.value != "device"
+        assert torch.equal(bits(flat.flat), bits(expected))
+    else:
+        with pytest.raises(_TurnFault):
+            ztriton.flatten_groups([group], tier="device")
+    assert len(made) >= 2, "the flatten's pack did not go in turns"
+    assert all(torch.equal(bits(p), b) for p, b in zip(group, before))
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, _TurnFault])
+def test_a_defragment_whose_second_turn_fails_keeps_every_partition(monkeypatch, error):
+    from ztriton.defragmenting import defragment
+
+    def partitions():
+        return [s.reshape(-1).clone() for s in sources_of(N, torch.float32, seed=19)]
+
+    expected = torch.cat([bits(t) for t in partitions()])
+    made = _failing_turn(monkeypatch, 2, error)
+    tensors = partitions()
+    before = [bits(t).clone() for t in tensors]
+    if error is torch.OutOfMemoryError:  # the tables' OOM: nothing moved yet, so the evict tier
+        flat = defragment(tensors, tier="device")
+        assert torch.equal(bits(flat), expected)
+    else:
+        with pytest.raises(_TurnFault):
+            defragment(tensors, tier="device")
+    assert len(made) >= 2, "the defragment's pack did not go in turns"
+    assert all(torch.equal(bits(t), b) for t, b in zip(tensors, before))
