@@ -841,10 +841,10 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         np.concatenate([srcs.offset[dense], zeros[:, 0]]) * itemsize + dst.data_ptr(),
         np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
     )
-    calls = []  # (kernel, grid, host table, where its second part starts, the arguments after the table's parts, meta)
+    calls: list[_Call] = []
     for unit, table, at, rows, programs in _word_classes(*segments, base, tuning.chunk_bytes):
         word = _word_bytes(unit)
-        calls.append((jit.copy_words, (programs,), table, at, (rows, storage), dict(
+        calls.append(_Call(jit.copy_words, (programs,), table, at, (rows, storage), dict(
             WORD=jit.word_types[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
             CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
 
@@ -858,32 +858,43 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         first = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum([t for _, t in entries], out=first[1:])
         table, at = _with_first_aligned(np.array([d for d, _ in entries], dtype=np.int64).reshape(-1), first)
-        calls.append((jit.gather_tile, (int(first[-1]),), table, at, (len(entries), storage), dict(
+        calls.append(_Call(jit.gather_tile, (int(first[-1]),), table, at, (len(entries), storage), dict(
             WORD=jit.int_for_itemsize[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
             BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
             SIZE_ALIGN=size_align, SMALL=small,
             num_warps=tuning.tile_warps)))
 
-    uploaded, parts = _upload([table for _, _, table, _, _, _ in calls], dst.device)
-    launches = [(kernel, grid, (part, part[at:], *rest), meta)
-                for (kernel, grid, _, at, rest, meta), part in zip(calls, parts)]
-    return Plan(launches, keep_alive, uploaded, _launch_stream(dst))
+    uploaded, parts = _upload([call.table for call in calls], dst.device)
+    launches = [(call.kernel, call.grid, (part, part[call.at:], *call.rest), call.meta)
+                for call, part in zip(calls, parts)]
+    return Plan(launches, keep_alive, [] if uploaded is None else [uploaded], _launch_stream(dst))
 
 
-def _upload(tables: list[np.ndarray], device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+class _Call(NamedTuple):
+    """One launch of a plan before its table is uploaded."""
+
+    kernel: Any
+    grid: tuple
+    table: np.ndarray  # host int64: its rows, then (from ``at``) each row's first program
+    at: int
+    rest: tuple  # the arguments after the table's two parts
+    meta: dict  # the kernel's constexprs and launch options
+
+
+def _upload(tables: list[np.ndarray], device: torch.device) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Every launch's table in one host-to-device copy (an upload has a fixed cost of tens of microseconds on
     an H200's host, and a plan has up to a launch per word class), each starting on a 16-byte boundary: Triton
-    compiles a separate kernel for a pointer that is not. Returns the uploaded tensors (none for no table) and
-    each table's view of them."""
+    compiles a separate kernel for a pointer that is not. Returns the uploaded tensor (None for no table) and
+    each table's view of it."""
     if not tables:
-        return [], []
+        return None, []
     starts = np.zeros(len(tables) + 1, dtype=np.int64)
     np.cumsum([len(t) + len(t) % 2 for t in tables], out=starts[1:])
     joined = np.zeros(int(starts[-1]), dtype=np.int64)
     for table, start in zip(tables, starts.tolist()):
         joined[start:start + len(table)] = table
     uploaded = _to_device(torch.from_numpy(joined), device)
-    return [uploaded], [uploaded[start:start + len(table)] for table, start in zip(tables, starts.tolist())]
+    return uploaded, [uploaded[start:start + len(table)] for table, start in zip(tables, starts.tolist())]
 
 
 def _torch_copies_suffice(srcs: _Sources, tuning: Tuning, device: torch.device) -> bool:

@@ -49,10 +49,14 @@ MIN_PIECES = 128
 MIN_MEAN_BYTES = 4 << 20
 
 
-def turns(n: int, first: int = FIRST_TURN, growth: int = GROWTH, last: int = LAST_TURN) -> Iterator[tuple[int, int]]:
+def turns(n: int, first: int | None = None, growth: int | None = None, last: int | None = None
+          ) -> Iterator[tuple[int, int]]:
     """``[a, b)`` index ranges that cover ``range(n)`` in order: ``first`` pieces, then ``growth`` times as many
-    each turn, at most ``last``."""
-    a, size = 0, first
+    each turn, at most ``last`` (by default the module's FIRST_TURN, GROWTH and LAST_TURN, read at the call)."""
+    size = FIRST_TURN if first is None else first
+    growth = GROWTH if growth is None else growth
+    last = LAST_TURN if last is None else last
+    a = 0
     while a < n:
         b = min(n, a + size)
         yield a, b
@@ -62,7 +66,7 @@ def turns(n: int, first: int = FIRST_TURN, growth: int = GROWTH, last: int = LAS
 def schedule(pieces: PackPieces) -> list[np.ndarray]:
     """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
     order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
-    return [order[a:b] for a, b in turns(len(order), FIRST_TURN, GROWTH, LAST_TURN)]
+    return [order[a:b] for a, b in turns(len(order))]
 
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
