@@ -35,7 +35,7 @@ __all__ = ["run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches: ~0.5 ms on the H200's
-# host, batch s9c) is paid a few times only: five turns for 2,000 pieces. Batch s9c compared schedules in one
+# host, batch s9c) is paid a few times only: four turns for 2,000 pieces. Batch s9c compared schedules in one
 # process: 64 growing fourfold was among the fastest for 2,000, 602 and 200 pieces; three lead turns of 16
 # pieces as torch's copies first were slower (a torch turn's fixed cost is no smaller). Jobs of up to MIN_PIECES
 # pieces go as one plan: there is little to overlap.
