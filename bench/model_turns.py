@@ -20,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402
+from ztriton.kernels.turns import turns  # noqa: E402
 
 
 def whole_ms(nbytes: np.ndarray, sizes: list[int], start: float, fixed: float, per_piece_ms: float,
@@ -33,14 +34,6 @@ def whole_ms(nbytes: np.ndarray, sizes: list[int], start: float, fixed: float, p
         host += fixed + per_piece_ms * len(turn)
         device = max(device, host) + 2 * nbytes[turn].sum() / bytes_per_ms
     return max(host, device)
-
-
-def growing(n: int, first: int, growth: int, last: int) -> list[int]:
-    sizes, size = [], first
-    while sum(sizes) < n:
-        sizes.append(min(size, n - sum(sizes)))
-        size = min(last, growth * size)
-    return sizes
 
 
 def main(argv=None) -> int:
@@ -57,7 +50,7 @@ def main(argv=None) -> int:
         copy = 2 * nbytes.sum() / bytes_per_ms
         print(f"{name}: {len(sizes)} pieces, the copy alone {copy:.2f} ms")
         schedules = {"one plan": [len(sizes)]}
-        schedules.update({f"{f} x{g} to {l}": growing(len(sizes), f, g, l)
+        schedules.update({f"{f} x{g} to {l}": [b - a for a, b in turns(len(sizes), f, g, l)]
                           for f, g, l in ((32, 2, 1024), (64, 4, 1024), (128, 2, 1024), (128, 8, 4096))})
         for label, turn_sizes in schedules.items():
             ms = whole_ms(nbytes, turn_sizes, args.start, args.fixed, args.per_piece_us / 1e3, bytes_per_ms)

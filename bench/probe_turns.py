@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -114,8 +115,8 @@ def turn_cost(case) -> dict:
     """Where one kernel turn's fixed cost goes: cProfile of 50 plans of 64 pieces (the biggest of pack (b))."""
     params, offsets, flat = case
     pieces, _ = pack_pieces(flat, params, offsets)
-    first = pieces.take(turns_module.np.argsort(-pieces.count, kind="stable")[:64])
-    none = turns_module.np.zeros((0, 2), dtype=turns_module.np.int64)
+    first = pieces.take(turns_module.schedule(pieces)[0])  # FIRST_TURN (64) pieces, the biggest
+    none = np.zeros((0, 2), dtype=np.int64)
     for _ in range(5):
         make_plan(flat, first, none, tuning=KERNELS_ONLY, run_now=True).launch()
     torch.cuda.synchronize()
