@@ -615,10 +615,10 @@ class Tuning:
     # In such torch copies, a piece of at least this many bytes gets a copy_ of its own (a memcpy at copy
     # bandwidth); the others go in torch._foreach_copy_ calls per word width (~1 us of host time a piece, at
     # ~0.7x copy bandwidth: bench/results/copy_paths_h200_s7a.json). A copy_ with its views costs ~20 us of the
-    # H200's host (torch.profiler, batch s9e: 202 of them were 4 of the ~6.5 ms of host in a flatten's 4.6 ms
-    # pack, so that route was host-bound); from 256 MiB (~125 us of copying) the device time it saves matters
-    # more. Session 7 to 9 used 16 MiB.
-    own_copy_bytes: int = 256 << 20
+    # H200's host, but 256 MiB (session 9's try) was slower: the 8.6 GiB flatten's 200 pieces of 32 MiB took
+    # 5.75 ms of device in _foreach_copy_ against 5.0 ms as memcpys, 9.0-9.3 ms whole against 8.2-9.6 (batch
+    # s10a, alternating trees).
+    own_copy_bytes: int = 16 << 20
     # Under run_now, a _foreach_copy_ is issued each time this many pieces of one word width are ready, so that
     # the device starts while the host still makes the next pieces' views.
     batch_pieces: int = 64
