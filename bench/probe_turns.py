@@ -3,8 +3,8 @@
     python bench/probe_turns.py [--out FILE.json]
 
 For pack (b) (2,000 tensors) and the LLM mix (602), on torch's route (before the kernels are loaded) and then the
-kernels' (after): the whole call as one plan against ``fresh=True`` (median of 10); each turn's host start and end and the
-device's end of that turn's copy (a CUDA event), relative to the call's start, so a device idling between turns
+kernels' (after): the whole call as one plan against ``fresh=True`` without and with the lead (median of 10, the three
+interleaved); the lead's and each turn's host start and end and the device's end of that copy (a CUDA event), relative to the call's start, so a device idling between turns
 shows; torch.profiler's CUDA runtime calls of one call in turns against one plan (a cudaHostAlloc or a
 synchronize inside the call would serialise the turns); then the flatten's device tier of the LLM mix under
 cProfile (where its host time goes beside the pack).
@@ -30,7 +30,7 @@ from ztriton.kernels import turns as turns_module  # noqa: E402
 
 
 def timeline(flat, params, offsets) -> list[dict]:
-    """Host start/end and device end (ms from the call's start) of each turn of one ``pack(fresh=True)``."""
+    """Host start/end and device end (ms from the call's start) of the lead and each turn of one ``pack(fresh=True)``."""
     rows, real = [], turns_module.make_plan
     start = [0.0]
 
@@ -49,7 +49,18 @@ def timeline(flat, params, offsets) -> list[dict]:
         rows.append({"pieces": len(pieces), "host_start_ms": (time.perf_counter() - start[0]) * 1e3})
         return Timed(real(dst, pieces, *args, **kwargs))
 
+    real_lead = turns_module._copy_lead
+
+    def copy_lead(dst, pieces, first):
+        rows.append({"lead": len(first), "host_start_ms": (time.perf_counter() - start[0]) * 1e3})
+        real_lead(dst, pieces, first)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        rows[-1]["event"] = event
+        rows[-1]["host_end_ms"] = (time.perf_counter() - start[0]) * 1e3
+
     turns_module.make_plan = make_plan
+    turns_module._copy_lead = copy_lead
     try:
         torch.cuda.synchronize()
         begin = torch.cuda.Event(enable_timing=True)
@@ -60,6 +71,7 @@ def timeline(flat, params, offsets) -> list[dict]:
         whole = (time.perf_counter() - start[0]) * 1e3
     finally:
         turns_module.make_plan = real
+        turns_module._copy_lead = real_lead
     for row in rows:
         row["device_end_ms"] = begin.elapsed_time(row.pop("event"))
     rows.append({"whole_ms": whole})
@@ -156,20 +168,27 @@ def main() -> int:
             for _ in range(3):  # compile and cache every variant, both ways
                 pack(flat, params, offsets, fresh=True)
                 pack_plan(flat, params, offsets).launch()
-            one_plan, fresh = [], []
+            one_plan, no_lead, fresh = [], [], []
+            lead_bytes = turns_module.LEAD_BYTES
             for _ in range(10):  # the whole call, as a user makes it: one plan against pack(fresh=True)
-                for way, times in ((False, one_plan), (True, fresh)):
+                for way, times, lead in ((False, one_plan, lead_bytes), (True, no_lead, 1 << 62),
+                                         (True, fresh, lead_bytes)):
+                    turns_module.LEAD_BYTES = lead
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     pack(flat, params, offsets, fresh=way)
                     torch.cuda.synchronize()
                     times.append((time.perf_counter() - start) * 1e3)
-            medians = {"one_plan_ms": sorted(one_plan)[5], "fresh_ms": sorted(fresh)[5]}
+            turns_module.LEAD_BYTES = lead_bytes
+            medians = {"one_plan_ms": sorted(one_plan)[5], "fresh_no_lead_ms": sorted(no_lead)[5],
+                       "fresh_ms": sorted(fresh)[5]}
             print(f"{route} {name} whole call, median of 10: one plan {medians['one_plan_ms']:.2f} ms, "
+                  f"fresh=True without the lead {medians['fresh_no_lead_ms']:.2f} ms, "
                   f"fresh=True {medians['fresh_ms']:.2f} ms", flush=True)
             rows = [timeline(flat, params, offsets) for _ in range(3)][-1]
             for row in rows[:-1]:
-                print(f"{route} {name} turn of {row['pieces']:4d}: host {row['host_start_ms']:6.2f} -> "
+                what = f"lead of {row['lead']:4d}" if "lead" in row else f"turn of {row['pieces']:4d}"
+                print(f"{route} {name} {what}: host {row['host_start_ms']:6.2f} -> "
                       f"{row['host_end_ms']:6.2f} ms, device done {row['device_end_ms']:6.2f} ms", flush=True)
             print(f"{route} {name} whole call {rows[-1]['whole_ms']:.2f} ms", flush=True)
             calls = {"turns": runtime_calls(lambda: pack(flat, params, offsets, fresh=True)),

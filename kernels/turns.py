@@ -17,6 +17,13 @@ its index in the whole job, as a single plan's would.
 Turns pay only where the device has something to overlap: on the kernels' route (torch's route before the
 kernels load issues each copy as it is planned, so one plan overlaps already) and for pieces big enough that
 the device's copy of one takes longer than the host's check of the next.
+
+Before any turn (or the one plan), the **lead**: every piece of at least ``LEAD_BYTES`` whose source is plainly
+copyable (dst's dtype and device, contiguous, in range, not in dst's memory) is copied by torch straight away,
+biggest first, right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy, ~20 us of the
+H200's host for >= 30 us of the device's copying), so the device starts at once on the biggest pieces (a
+model's embeddings, fused experts) while the host plans the rest. A piece that fails a lead check is left to
+the plan, whose checks name it.
 """
 from __future__ import annotations
 
@@ -28,10 +35,10 @@ import numpy as np
 import torch
 
 from . import plan as _plan
-from .plan import (KERNELS_ONLY, PackPieces, Piece, _check_disjoint, _zero_ranges, check_dst, make_plan, run_plan,
-                   validate)
+from .plan import (KERNELS_ONLY, PackPieces, Piece, _bytes, _check_disjoint, _torch_turn, _zero_ranges, check_dst,
+                   make_plan, run_plan, validate)
 
-__all__ = ["run_fresh", "schedule", "turns", "worth_turns"]
+__all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches: ~0.5 ms on the H200's
@@ -47,6 +54,11 @@ MIN_PIECES = 128
 # the device copies 2 MiB (read and written) in about that time, so smaller pieces leave it idle between turns
 # anyway and the turns add only their fixed costs (a stage-3 defragment at W = 8: 602 partitions of 1.8 MiB).
 MIN_MEAN_BYTES = 4 << 20
+# Pieces of at least this many bytes go first, as torch copies (module docstring): the device copies one
+# (read and written) in >= 30 us at the H200's ~4.2 TB/s, more than the host's ~20 us to issue it, so the
+# device stays ahead; smaller ones are cheaper per byte in a kernel turn (a copy_ per 32 MiB piece left the
+# device ~15% slower than the kernels over the 8.6 GiB flatten, batch s10a).
+LEAD_BYTES = 64 << 20
 
 
 def turns(n: int, first: int | None = None, growth: int | None = None, last: int | None = None
@@ -80,17 +92,27 @@ def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
               what: str = "sources") -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
-    copy and the same errors, but the pieces are checked and copied in turns where that pays
-    (:func:`worth_turns`). On an error raised after the first turn, dst holds part of the result (drop it); the
-    sources are untouched."""
-    if not worth_turns(dst, pieces):
+    copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
+    copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
+    of the result (drop it); the sources are untouched."""
+    if not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or worth_turns(dst, pieces)):
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
     zeros = _zero_ranges(zero_ranges, dst)
     with _errors_as_one_plan(dst, pieces, zeros, what):
         _check_destinations(dst, pieces, zeros, what)
-    each_turn = schedule(pieces)
+    first = lead(dst, pieces)
+    rest = pieces
+    if len(first):
+        _copy_lead(dst, pieces, first)
+        rest = pieces.take(np.setdiff1d(np.arange(len(pieces)), first))  # in the job's order
+    if not worth_turns(dst, rest):
+        if len(rest) or len(zeros):
+            with _errors_as_one_plan(dst, pieces, zeros, what):
+                run_plan(dst, rest, zeros, what=what)
+        return
+    each_turn = schedule(rest)
     no_zeros = zeros[:0]
     for t, indices in enumerate(each_turn):
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
@@ -98,7 +120,53 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         with _errors_as_one_plan(dst, pieces, zeros, what):
             # The kernels always (they are loaded: worth_turns): a last turn of a few small pieces would otherwise
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
-            make_plan(dst, pieces.take(indices), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
+            make_plan(dst, rest.take(indices), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
+
+
+def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
+    """Whether any piece is big enough to lead (from the columns: no source is read)."""
+    return bool((pieces.count >= -(-LEAD_BYTES // dst.element_size())).any())
+
+
+def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
+    """The indices of the pieces :func:`run_fresh` copies first, biggest first (ties in index order): at least
+    ``LEAD_BYTES`` each, and plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous,
+    without a lazy negation or conjugation, its range inside it, its destination inside dst, its memory outside
+    dst's. Reads only the candidates' attributes; a candidate that fails is left to the plan's checks."""
+    itemsize = dst.element_size()
+    big = np.flatnonzero(pieces.count >= -(-LEAD_BYTES // itemsize))
+    if not len(big):
+        return big
+    big = big[np.argsort(-pieces.count[big], kind="stable")]
+    dst_lo = dst.data_ptr()
+    dst_hi = dst_lo + dst.numel() * itemsize
+    keep = []
+    for i in big.tolist():
+        src = pieces.sources[i]
+        start, count, offset = int(pieces.start[i]), int(pieces.count[i]), int(pieces.offset[i])
+        if src.dtype != dst.dtype or src.layout != torch.strided or src.device != dst.device or \
+                not src.is_contiguous() or src.is_neg() or src.is_conj():
+            continue
+        if start < 0 or start + count > src.numel() or offset < 0 or offset + count > dst.numel():
+            continue
+        lo = src.data_ptr() + start * itemsize
+        if lo < dst_hi and dst_lo < lo + count * itemsize:
+            continue
+        keep.append(i)
+    return np.array(keep, dtype=np.int64)
+
+
+def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None:
+    """Copy the pieces ``first`` (checked by :func:`lead`) as bytes, one ``copy_`` each: a memcpy, whatever the
+    dtype (bits move unchanged), issued on the current stream as the plans after it are."""
+    itemsize = dst.element_size()
+    inference = dst.is_inference() and not torch.is_inference_mode_enabled()
+    with _torch_turn(), torch.inference_mode() if inference else torch.no_grad():
+        out = _bytes(dst)
+        for i in first.tolist():
+            start, count, offset = int(pieces.start[i]) * itemsize, int(pieces.count[i]) * itemsize, \
+                int(pieces.offset[i]) * itemsize
+            out.narrow(0, offset, count).copy_(_bytes(pieces.sources[i]).narrow(0, start, count))
 
 
 @contextmanager

@@ -336,3 +336,157 @@ def test_a_defragment_whose_second_turn_fails_keeps_every_partition(monkeypatch,
             defragment(tensors, tier="device")
     assert len(made) >= 2, "the defragment's pack did not go in turns"
     assert all(torch.equal(bits(t), b) for t, b in zip(tensors, before))
+
+
+# --------------------------------------------------------------------------------------------
+# The lead: the biggest pieces as torch copies before any plan (LEAD_BYTES lowered to a few elements).
+
+
+def _sized_sources(counts: list[int], dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[torch.Tensor]:
+    """A source of random bits per count (raw bool bytes too); every other one a view one element into its storage."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for k, n in enumerate(counts):
+        raw = torch.randint(0, 256, ((n + 1) * itemsize,), dtype=torch.uint8, generator=g).view(dtype).to(DEVICE)
+        out.append(raw[1:] if k % 2 else raw[:n])
+    return out
+
+
+def _recorded_lead(monkeypatch) -> list:
+    """Record the indices each :func:`run_fresh` copies in its lead."""
+    led = []
+    real = turns_module._copy_lead
+
+    def recording(dst, pieces, first):
+        led.append(first.tolist())
+        return real(dst, pieces, first)
+
+    monkeypatch.setattr(turns_module, "_copy_lead", recording)
+    return led
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one plan after", "turns after"])
+def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(route, monkeypatch, many):
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 2)  # 8 bf16 elements
+    led, made = _recorded_lead(monkeypatch), planned_turns(monkeypatch)
+    counts = [3, 9, 1, 12, 8, 7, 12, 2] * (N // 8 if many else 1)
+    sources = _sized_sources(counts, seed=2)
+    offsets, at = [], 1
+    for s in sources:
+        offsets.append(at)
+        at += s.numel() + 1
+    dst = torch.full((at,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    one_plan = []
+    real_run_plan = turns_module.run_plan
+    monkeypatch.setattr(turns_module, "run_plan", lambda d, p, *a, **k: (one_plan.append(p), real_run_plan(d, p, *a, **k)))
+    pack(dst, sources, offsets, fresh=True)
+    big = [k for k, n in enumerate(counts) if n >= 8]
+    assert led == [sorted(big, key=lambda k: -counts[k])]  # stable: equal counts in index order
+    rest = [id(s) for k, s in enumerate(sources) if k not in big]
+    if many and route == "kernels":  # in turns, each biggest first: together every piece not led
+        assert not one_plan and sorted(id(s) for p, _, _ in made for s in p.sources) == sorted(rest)
+    else:  # one plan of the rest, in the job's order
+        assert len(one_plan) == 1 and [id(s) for s in one_plan[0].sources] == rest
+    expected = torch.empty_like(dst)
+    pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected))
+
+
+@pytest.mark.parametrize("fault", ["dtype", "inside dst", "past its source", "past dst", "negated", "strided"])
+def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fault):
+    """Not copied in the lead: the plan then raises the one plan's error (nothing written) or, for a strided source
+    the kernels gather, copies it right."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
+    led = _recorded_lead(monkeypatch)
+    sources = _sized_sources([16, 12, 3, 20], dtype=torch.float32, seed=4)
+    slices = [(s, 0, s.numel(), 32 * k) for k, s in enumerate(sources)]
+    dst = torch.full((32 * len(sources),), 7.0, device=DEVICE)
+    if fault == "dtype":
+        slices[3] = (sources[3].double(), 0, 20, 96)
+    elif fault == "inside dst":
+        slices[3] = (dst[100:120], 0, 20, 96)
+    elif fault == "past its source":
+        slices[3] = (sources[3], 1, 20, 96)
+    elif fault == "past dst":
+        slices[3] = (sources[3], 0, 20, 120)
+    elif fault == "negated":
+        slices[3] = (torch.zeros(20, dtype=torch.complex64, device=DEVICE).conj().imag, 0, 20, 96)
+    else:
+        slices[3] = (torch.arange(40, dtype=torch.float32, device=DEVICE).view(20, 2).t(), 0, 20, 96)
+    if fault == "strided":
+        expected = torch.empty_like(dst)
+        torch_pack_slices(expected, slices)
+        pack_slices(dst, slices, fresh=True)
+        assert torch.equal(bits(dst), bits(expected)) and led == [[0, 1]]
+        return
+    with pytest.raises((TypeError, ValueError)) as one_plan:
+        pack_slices(dst, slices)  # raises before writing: dst is still fresh for the call below
+    assert bool((dst == 7.0).all())
+    before = [bits(s[0]).clone() for s in slices]
+    with pytest.raises(type(one_plan.value)) as fresh:
+        pack_slices(dst, slices, fresh=True)
+    assert str(fresh.value) == str(one_plan.value) and "slices[3]" in str(fresh.value)
+    assert 3 not in led[0]  # the others led (dst is fresh: dropped by the caller on this error)
+    assert all(torch.equal(bits(s[0]), b) for s, b in zip(slices, before))
+
+
+def test_destinations_overlapping_a_lead_piece_are_refused_before_any_write(monkeypatch):
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 4 * 8)
+    led = _recorded_lead(monkeypatch)
+    sources = _sized_sources([16, 3, 12], dtype=torch.float32, seed=6)
+    slices = [(sources[0], 0, 16, 0), (sources[1], 0, 3, 20), (sources[2], 0, 12, 10)]  # [10, 22) overlaps both
+    dst = torch.full((40,), 7.0, device=DEVICE)
+    with pytest.raises(ValueError, match=r"slices\[.\].*slices\[.\].*overlap"):
+        pack_slices(dst, slices, fresh=True)
+    assert bool((dst == 7.0).all()) and led == []
+
+
+def test_only_lead_pieces_and_zero_ranges(monkeypatch):
+    """Every piece leads: the zero ranges still get written (a plan with no pieces)."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 2)
+    sources = _sized_sources([5, 9], seed=8)
+    dst = torch.full((20,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    pack(dst, sources, [2, 9], fresh=True)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, [2, 9])
+    assert torch.equal(bits(dst), bits(expected))
+
+
+@pytest.mark.parametrize("mode", ["dst made in inference mode", "called in inference mode"])
+def test_lead_copies_in_and_out_of_inference_mode(monkeypatch, mode):
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 2)
+    sources = _sized_sources([5, 9, 1], seed=10)
+    if mode == "dst made in inference mode":
+        with torch.inference_mode():
+            dst = torch.empty(20, dtype=torch.bfloat16, device=DEVICE)
+        pack(dst, sources, [0, 6, 16], fresh=True)
+    else:
+        dst = torch.empty(20, dtype=torch.bfloat16, device=DEVICE)
+        with torch.inference_mode():
+            pack(dst, sources, [0, 6, 16], fresh=True)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, [0, 6, 16])
+    assert torch.equal(bits(dst), bits(expected))
+
+
+@given(counts=st.lists(st.integers(0, 24), min_size=1, max_size=40), lead_bytes=st.integers(1, 60),
+       gap=st.integers(0, 3), window=st.booleans())
+@settings(max_examples=25, deadline=None)
+@example(counts=[24] * 3, lead_bytes=1, gap=0, window=False)  # every piece leads, nothing to zero
+def test_a_fresh_pack_with_any_lead_is_the_pack(counts, lead_bytes, gap, window):
+    sources = _sized_sources(counts, dtype=torch.int16, seed=len(counts))
+    offsets, at = [], gap
+    for s in sources:
+        offsets.append(at)
+        at += s.numel() + gap
+    w0 = 1 if window and at > 1 else 0
+    win = (w0, at - w0) if window else None  # one element off each end
+    numel = at if win is None else win[1] - win[0]
+    expected = torch.empty(numel, dtype=torch.int16, device=DEVICE)
+    torch_pack(expected, sources, offsets, win)
+    got = torch.full_like(expected, -1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(turns_module, "LEAD_BYTES", lead_bytes)
+        pack(got, sources, offsets, win, fresh=True)
+    assert torch.equal(got, expected)
