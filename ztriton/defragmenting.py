@@ -29,7 +29,7 @@ from typing import Collection, NamedTuple, Sequence
 import torch
 
 from ztriton import memory, policy, staging
-from ztriton.kernels import Piece, pack_slices, torch_run
+from ztriton.kernels import Piece, pack, torch_run
 from ztriton.memory import alias, format_bytes, kernels_run_on, synchronize, try_empty
 from ztriton.policy import Options, Tier
 
@@ -185,15 +185,17 @@ def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Place
 
 def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Places, away: Collection[int] = ()) -> None:
     """Copy ``tensors`` (1-D, :func:`_check`) to their places in ``flat``: the ones on flat's device in turns of
-    kernel launches or torch copies (flat is new: :func:`ztriton.kernels.pack_slices`' ``fresh``), one ``copy_``
+    kernel launches or torch copies (flat is new: :func:`ztriton.kernels.pack`'s ``fresh``), one ``copy_``
     each for the ones in ``away`` (evicted to the pinned spill: asynchronous, and finished when this returns)."""
     numels, offsets = places
-    local = [(t, 0, numels[i], offsets[i]) for i, t in enumerate(tensors) if numels[i] and i not in away]
-    # The slices cover flat (no gap to zero): kernels for the ones on flat's device, torch for the rest.
+    local = [i for i in range(len(tensors)) if numels[i] and i not in away] if away else range(len(tensors))
     if local and kernels_run_on(flat.device):
-        pack_slices(flat, local, fresh=True)
+        # A pack: every partition whole at its offset, and zeros where none is (the evicted ones' places, written
+        # below). Cheaper to plan than the same copy as slices: one int column, not a tuple per partition.
+        pack(flat, [tensors[i] for i in local] if away else tensors, [offsets[i] for i in local] if away else offsets,
+             fresh=True)
     else:
-        torch_run(flat, [Piece(*s) for s in local])
+        torch_run(flat, [Piece(tensors[i], 0, numels[i], offsets[i]) for i in local if numels[i]])
     if away:
         with staging.synchronized(flat.device):
             for i in sorted(away):  # contiguous views of the spill
