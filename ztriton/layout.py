@@ -15,6 +15,7 @@ Every size is a Python int, so numels above 2**31 are exact.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -204,19 +205,25 @@ def zero12_group_layout(
     if round_robin:
         members = [members[k] for k in round_robin_order(len(members), world_size)]
 
-    offsets, paddings = [], []
-    offset = 0
-    for k, index in enumerate(members):
-        offsets.append(offset)
-        offset += numels[index]
-        pad = 0 if k == len(members) - 1 else (-offset) % palign
-        paddings.append(pad)
-        offset += pad
+    sizes = [numels[i] for i in members]
+    if palign == 1:  # no pads between params: the offsets are a running sum (thousands of params, one C loop)
+        offsets = [0, *itertools.accumulate(sizes)]
+        offset = offsets.pop()
+        paddings = [0] * len(sizes)
+    else:
+        offsets, paddings = [], []
+        offset = 0
+        for k, size in enumerate(sizes):
+            offsets.append(offset)
+            offset += size
+            pad = 0 if k == len(sizes) - 1 else (-offset) % palign
+            paddings.append(pad)
+            offset += pad
     alignment = NCCL_START_ALIGNMENT_FACTOR * world_size
     return FlatGroupLayout(
         order=tuple(members),
         offsets=tuple(offsets),
-        numels=tuple(numels[i] for i in members),
+        numels=tuple(sizes),
         paddings=tuple(paddings),
         tail_padding=(-offset) % alignment,
         world_size=world_size,
