@@ -1,0 +1,174 @@
+"""Where one flatten call's wall time goes, step by step: a host timeline with the device's copy beside it.
+
+    python bench/probe_flatten_timeline.py [--case llm|demo] [--repeats 7] [--kernels-loaded] [--out FILE.json]
+
+``--case llm``: the LLM mix (602 params, 8.6 GiB; on a machine without CUDA scaled down 16x per dimension);
+``--case demo``: the demo's MoE model (13 params, 1.7 GiB; its CPU shape without CUDA). Device tier,
+simulated W = 8 rank 3, a warm process. Each step of ``flatten_groups`` is wrapped to record its host start and
+end (ms from the call's start); on CUDA, events recorded at the call's start and after each pack launch give
+when the device finished the lead and each turn. Printed per step: median start and end over ``--repeats`` calls, so that
+what runs before the device starts (and what the host still does after it finished) shows.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (module, attribute, label): the steps of one flatten call, in the order they run.
+STEPS = [
+    ("ztriton.flatten.groups", "_param_lists", "param lists"),
+    ("ztriton.flatten.groups", "_prepare", "prepare (checks, layout)"),
+    ("ztriton.flatten.groups", "_check_kernels_take", "kernels take"),
+    ("ztriton.memory", "probe_memory", "memory probe"),
+    ("ztriton.flatten.groups", "min_over_ranks", "min over ranks"),
+    ("ztriton.policy", "choose_flatten_tier", "choose tier"),
+    ("ztriton.policy", "log_decision", "log decision"),
+    ("ztriton.flatten.tiers", "empty", "allocate flat"),
+    ("ztriton.kernels.ops", "pack_pieces", "pack_pieces"),
+    ("ztriton.kernels.turns", "_copy_lead", "lead copies"),
+    ("ztriton.kernels.turns", "make_plan", "plan a turn"),
+    ("ztriton.kernels.plan", "make_plan", "plan (one)"),
+    ("ztriton.flatten.groups", "_check_no_shared_memory", "no shared memory"),
+    ("ztriton.flatten.groups", "_alias", "re-point params"),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=["llm", "demo"], default="llm")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernels-loaded", action="store_true", help="load the kernels before timing")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    import importlib
+
+    import torch
+
+    from bench.harness import cpu_fallback, sync
+
+    cuda = not cpu_fallback(threads=1)
+    import ztriton
+    from bench.models import llm_mix
+    from ztriton.testing import simulated_world
+
+    device = "cuda" if cuda else "cpu"
+    if args.case == "demo":
+        from ztriton.integrations.deepspeed.demo import CPU_SHAPE, GPU_SHAPE, MoEModel
+
+        with torch.device("meta"):
+            shapes = [list(p.shape) for p in MoEModel(GPU_SHAPE if cuda else CPU_SHAPE).parameters()]
+    else:
+        shapes = llm_mix() if cuda else [[max(1, d // 16) for d in s] for s in llm_mix()]
+    if args.kernels_loaded and cuda:
+        from ztriton.kernels.warmup import warm_up
+
+        warm_up(torch.device("cuda", torch.cuda.current_device()))
+
+    rows: list[tuple[str, float, float]] = []
+    events: list = []
+    t0 = [0.0]
+
+    def wrap(owner, name, label):
+        real = getattr(owner, name)
+
+        def timed(*a, **k):
+            start = time.perf_counter()
+            try:
+                result = real(*a, **k)
+            finally:
+                rows.append((label, (start - t0[0]) * 1e3, (time.perf_counter() - t0[0]) * 1e3))
+            if cuda and label.startswith("plan"):
+                return _Launch(result, label)
+            if cuda and label == "lead copies":  # issued: the device's end of them is an event away
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                events.append(event)
+            return result
+
+        setattr(owner, name, timed)
+        return owner, name, real
+
+    class _Launch:
+        def __init__(self, plan, label):
+            self.plan, self.label = plan, label
+
+        def launch(self):
+            self.plan.launch()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            events.append(event)
+            rows.append((self.label.replace("plan", "launched"), (time.perf_counter() - t0[0]) * 1e3,
+                         (time.perf_counter() - t0[0]) * 1e3))
+
+        def __getattr__(self, name):
+            return getattr(self.plan, name)
+
+    def params():
+        made = [torch.nn.Parameter(torch.empty(*s, dtype=torch.bfloat16, device=device)) for s in shapes]
+        sync()
+        return made
+
+    def once() -> dict:
+        group = params()
+        rows.clear()
+        events.clear()
+        begin = torch.cuda.Event(enable_timing=True) if cuda else None
+        t0[0] = time.perf_counter()
+        if cuda:
+            begin.record()
+        flat = ztriton.flatten_groups([group])
+        returned = (time.perf_counter() - t0[0]) * 1e3
+        sync()
+        whole = (time.perf_counter() - t0[0]) * 1e3
+        device_ends = [begin.elapsed_time(e) for e in events] if cuda else []
+        del flat, group
+        return {"rows": list(rows), "returned_ms": returned, "whole_ms": whole, "device_ends_ms": device_ends}
+
+    patched = [wrap(importlib.import_module(m), a, label) for m, a, label in STEPS]
+    try:
+        with simulated_world(8, 3):
+            once()
+            runs = [once() for _ in range(args.repeats)]
+    finally:
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
+
+    print(f"[probe_flatten_timeline] {len(shapes)} params on {device}"
+          f"{', kernels loaded' if args.kernels_loaded else ''}; median of {len(runs)} calls, ms from the call's start")
+    labels = []
+    for label, _, _ in runs[0]["rows"]:
+        if label not in labels:
+            labels.append(label)
+    summary = {}
+    for label in labels:
+        starts = [min(s for l, s, _ in r["rows"] if l == label) for r in runs if any(l == label for l, _, _ in r["rows"])]
+        ends = [max(e for l, _, e in r["rows"] if l == label) for r in runs if any(l == label for l, _, _ in r["rows"])]
+        own = [sum(e - s for l, s, e in r["rows"] if l == label) for r in runs if any(l == label for l, _, _ in r["rows"])]
+        summary[label] = {"start": statistics.median(starts), "end": statistics.median(ends),
+                          "own": statistics.median(own)}
+        print(f"  {label:28s} {summary[label]['start']:7.2f} -> {summary[label]['end']:7.2f}  "
+              f"(own {summary[label]['own']:.2f})")
+    for key in ("returned_ms", "whole_ms"):
+        summary[key] = statistics.median(r[key] for r in runs)
+    if cuda and runs[0]["device_ends_ms"]:
+        summary["device_ends_ms"] = [statistics.median(r["device_ends_ms"][k] for r in runs)
+                                     for k in range(len(runs[0]["device_ends_ms"]))]
+        print(f"  device done with each launch at {', '.join(f'{v:.2f}' for v in summary['device_ends_ms'])}")
+    print(f"  returned {summary['returned_ms']:.2f}, device done (synchronised) {summary['whole_ms']:.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
