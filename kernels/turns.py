@@ -18,12 +18,12 @@ Turns pay only where the device has something to overlap: on the kernels' route 
 kernels load issues each copy as it is planned, so one plan overlaps already) and for pieces big enough that
 the device's copy of one takes longer than the host's check of the next.
 
-Before any turn (or the one plan), the **lead**: every piece of at least ``LEAD_BYTES`` whose source is plainly
-copyable (dst's dtype and device, contiguous, in range, not in dst's memory) is copied by torch straight away,
-biggest first, right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy, ~20 us of the
-H200's host for >= 30 us of the device's copying), so the device starts at once on the biggest pieces (a
-model's embeddings, fused experts) while the host plans the rest. A piece that fails a lead check is left to
-the plan, whose checks name it.
+Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
+dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
+right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy, 20-60 us of the H200's host), so
+the device starts at once on the biggest pieces (a model's embeddings, fused experts) while the host plans the
+rest. Pieces of 256 MiB or more always lead; those of 64-256 MiB only until the lead holds ~1 ms of copying
+(the constants below say why). A piece that fails a lead check is left to the plan, whose checks name it.
 """
 from __future__ import annotations
 
@@ -54,11 +54,15 @@ MIN_PIECES = 128
 # the device copies 2 MiB (read and written) in about that time, so smaller pieces leave it idle between turns
 # anyway and the turns add only their fixed costs (a stage-3 defragment at W = 8: 602 partitions of 1.8 MiB).
 MIN_MEAN_BYTES = 4 << 20
-# Pieces of at least this many bytes go first, as torch copies (module docstring): the device copies one
-# (read and written) in >= 30 us at the H200's ~4.2 TB/s, more than the host's ~20 us to issue it, so the
-# device stays ahead; smaller ones are cheaper per byte in a kernel turn (a copy_ per 32 MiB piece left the
-# device ~15% slower than the kernels over the 8.6 GiB flatten, batch s10a).
+# Pieces of at least LEAD_BYTES go first, as torch copies (module docstring); smaller ones are cheaper per byte in
+# a kernel turn (a copy_ per 32 MiB piece left the device ~15% slower than the kernels over the 8.6 GiB flatten,
+# batch s10a). A lead copy costs 20-60 us of the H200's host (batches s10b, s10c) and the device copies 64 MiB
+# (read and written) in ~32 us: so pieces below LEAD_ALWAYS_BYTES lead only until the lead holds LEAD_COVER_BYTES
+# (~1 ms of copying, what the first kernel turn's planning takes on a slow host); beyond that a thousand 64 MiB
+# experts would keep the host, not the device, busy. Pieces of LEAD_ALWAYS_BYTES (>= 125 us each) always lead.
 LEAD_BYTES = 64 << 20
+LEAD_ALWAYS_BYTES = 256 << 20
+LEAD_COVER_BYTES = 2 << 30
 
 
 def turns(n: int, first: int | None = None, growth: int | None = None, last: int | None = None
@@ -130,9 +134,10 @@ def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
 
 def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     """The indices of the pieces :func:`run_fresh` copies first, biggest first (ties in index order): at least
-    ``LEAD_BYTES`` each, and plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous,
-    without a lazy negation or conjugation, its range inside it, its destination inside dst, its memory outside
-    dst's. Reads only the candidates' attributes; a candidate that fails is left to the plan's checks."""
+    ``LEAD_BYTES`` each (below ``LEAD_ALWAYS_BYTES`` only while the lead holds less than ``LEAD_COVER_BYTES``), and
+    plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous, without a lazy negation or
+    conjugation, its range inside it, its destination inside dst, its memory outside dst's. Reads only the
+    candidates' attributes; a candidate that fails is left to the plan's checks."""
     itemsize = dst.element_size()
     big = np.flatnonzero(pieces.count >= -(-LEAD_BYTES // itemsize))
     if not len(big):
@@ -140,10 +145,12 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     big = big[np.argsort(-pieces.count[big], kind="stable")]
     dst_lo = dst.data_ptr()
     dst_hi = dst_lo + dst.numel() * itemsize
-    keep = []
+    keep, held = [], 0
     for i in big.tolist():
         src = pieces.sources[i]
         start, count, offset = int(pieces.start[i]), int(pieces.count[i]), int(pieces.offset[i])
+        if count * itemsize < LEAD_ALWAYS_BYTES and held >= LEAD_COVER_BYTES:
+            break  # biggest first: every later candidate is below LEAD_ALWAYS_BYTES too
         if src.dtype != dst.dtype or src.layout != torch.strided or src.device != dst.device or \
                 not src.is_contiguous() or src.is_neg() or src.is_conj():
             continue
@@ -153,6 +160,7 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
         if lo < dst_hi and dst_lo < lo + count * itemsize:
             continue
         keep.append(i)
+        held += count * itemsize
     return np.array(keep, dtype=np.int64)
 
 
