@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dic
         return out, time.perf_counter() - start
 
     out = {"step": step, "backend": backend, "import_seconds": imported}
+    # ztriton's INFO lines (each step's tier and its own seconds: what of the cell's time is ours); a handful per
+    # process, the same lines DeepSpeed's logger shows the user.
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ztriton").addHandler(handler)
+    logging.getLogger("ztriton").setLevel(logging.INFO)
     with simulated_world(world, rank):
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
@@ -100,6 +108,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dic
             _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
                 model=model, optimizer=optimizer, config=config))
     out["process_seconds"] = time.perf_counter() - STARTED
+    out["ztriton_lines"] = lines
     return out
 
 

@@ -22,8 +22,8 @@ Before any turn (or the one plan), the **lead**: the biggest pieces whose source
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
 right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy, 20-60 us of the H200's host), so
 the device starts at once on the biggest pieces (a model's embeddings, fused experts) while the host plans the
-rest. Pieces of 256 MiB or more always lead; those of 64-256 MiB only until the lead holds ~1 ms of copying
-(the constants below say why). A piece that fails a lead check is left to the plan, whose checks name it.
+rest. Only pieces of 256 MiB or more lead (``LEAD_BYTES`` says why). A piece that fails a lead check is left to
+the plan, whose checks name it.
 """
 from __future__ import annotations
 
@@ -54,15 +54,12 @@ MIN_PIECES = 128
 # the device copies 2 MiB (read and written) in about that time, so smaller pieces leave it idle between turns
 # anyway and the turns add only their fixed costs (a stage-3 defragment at W = 8: 602 partitions of 1.8 MiB).
 MIN_MEAN_BYTES = 4 << 20
-# Pieces of at least LEAD_BYTES go first, as torch copies (module docstring); smaller ones are cheaper per byte in
-# a kernel turn (a copy_ per 32 MiB piece left the device ~15% slower than the kernels over the 8.6 GiB flatten,
-# batch s10a). A lead copy costs 20-60 us of the H200's host (batches s10b, s10c) and the device copies 64 MiB
-# (read and written) in ~32 us: so pieces below LEAD_ALWAYS_BYTES lead only until the lead holds LEAD_COVER_BYTES
-# (~1 ms of copying, what the first kernel turn's planning takes on a slow host); beyond that a thousand 64 MiB
-# experts would keep the host, not the device, busy. Pieces of LEAD_ALWAYS_BYTES (>= 125 us each) always lead.
-LEAD_BYTES = 64 << 20
-LEAD_ALWAYS_BYTES = 256 << 20
-LEAD_COVER_BYTES = 2 << 30
+# Pieces of at least this many bytes go first, as torch copies (module docstring). A lead copy costs 20-60 us of
+# the H200's host (batches s10b, s10c), and the device copies 256 MiB (read and written) in ~125 us: it stays ahead
+# whatever the host. From 64 MiB (~32 us each) it did not: 200 experts of 64 MiB took 7.76 ms with a lead capped at
+# 2 GiB and 8.04 ms uncapped against 7.60 ms without, while 24 of 512 MiB went 7.18 -> 6.59 ms and the LLM mix
+# (two 1.16 GiB embeddings) 5.68 -> 5.06 ms (batch s10d, bench/probe_lead.py).
+LEAD_BYTES = 256 << 20
 
 
 def turns(n: int, first: int | None = None, growth: int | None = None, last: int | None = None
@@ -134,8 +131,7 @@ def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
 
 def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     """The indices of the pieces :func:`run_fresh` copies first, biggest first (ties in index order): at least
-    ``LEAD_BYTES`` each (below ``LEAD_ALWAYS_BYTES`` only while the lead holds less than ``LEAD_COVER_BYTES``), and
-    plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous, without a lazy negation or
+    ``LEAD_BYTES`` each, and plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous, without a lazy negation or
     conjugation, its range inside it, its destination inside dst, its memory outside dst's. Reads only the
     candidates' attributes; a candidate that fails is left to the plan's checks."""
     itemsize = dst.element_size()
@@ -145,12 +141,10 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     big = big[np.argsort(-pieces.count[big], kind="stable")]
     dst_lo = dst.data_ptr()
     dst_hi = dst_lo + dst.numel() * itemsize
-    keep, held = [], 0
+    keep = []
     for i in big.tolist():
         src = pieces.sources[i]
         start, count, offset = int(pieces.start[i]), int(pieces.count[i]), int(pieces.offset[i])
-        if count * itemsize < LEAD_ALWAYS_BYTES and held >= LEAD_COVER_BYTES:
-            break  # biggest first: every later candidate is below LEAD_ALWAYS_BYTES too
         if src.dtype != dst.dtype or src.layout != torch.strided or src.device != dst.device or \
                 not src.is_contiguous() or src.is_neg() or src.is_conj():
             continue
@@ -160,7 +154,6 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
         if lo < dst_hi and dst_lo < lo + count * itemsize:
             continue
         keep.append(i)
-        held += count * itemsize
     return np.array(keep, dtype=np.int64)
 
 

@@ -491,21 +491,3 @@ def test_a_fresh_pack_with_any_lead_is_the_pack(counts, lead_bytes, gap, window)
         pack(got, sources, offsets, win, fresh=True)
     assert torch.equal(got, expected)
 
-
-@pytest.mark.parametrize("cover, led", [(40, [0]), (50, [0, 3]), (1 << 40, [0, 3, 2, 5, 4])])
-def test_pieces_below_the_always_size_lead_only_until_the_lead_covers_enough(monkeypatch, cover, led):
-    """Biggest first: 40 bytes always leads; the 28-, 26-, 24- and 16-byte ones (below 30) only while the lead holds
-    fewer than ``cover`` bytes; the 6-byte one never (below LEAD_BYTES)."""
-    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8)
-    monkeypatch.setattr(turns_module, "LEAD_ALWAYS_BYTES", 30)
-    monkeypatch.setattr(turns_module, "LEAD_COVER_BYTES", cover)
-    counts = [20, 3, 13, 14, 8, 12]  # bf16: 40, 6, 26, 28, 16, 24 bytes
-    sources = _sized_sources(counts, seed=12)
-    offsets = np.cumsum([0] + counts[:-1]).tolist()
-    dst = torch.empty(sum(counts), dtype=torch.bfloat16, device=DEVICE)
-    pieces, _ = plan_module.pack_pieces(dst, sources, offsets)
-    assert turns_module.lead(dst, pieces).tolist() == led
-    pack(dst, sources, offsets, fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
