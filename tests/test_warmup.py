@@ -366,3 +366,84 @@ def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):
     warmup._finish_at_exit()  # bounded: a thread that never ends does not hold the exit forever
     assert stuck.is_alive()
     gate.set()
+
+
+# --------------------------------------------------------------------------------------------
+# The memory probe's NVML, initialised in the background once a config turns the key on.
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """A pynvml whose nvmlInit takes 0.2 s and counts its calls; NVML not yet initialised in this process."""
+    import sys
+    import time
+    import types
+
+    from ztriton import memory
+
+    calls = []
+
+    def init():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.2)
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=init))
+    monkeypatch.setattr(memory, "_NVML", [])
+    return calls
+
+
+def test_nvml_started_in_the_background_is_initialised_once(fake_nvml):
+    """A probe asking while the background start is still in nvmlInit waits for it instead of initialising a
+    second time beside it; once initialised, nothing starts again."""
+    import sys
+
+    from ztriton import memory
+
+    thread = memory.start_nvml_in_background()
+    assert thread is not None
+    assert memory._nvml() is sys.modules["pynvml"]
+    thread.join()
+    assert fake_nvml == ["ztriton-nvml-init"]
+    assert memory.start_nvml_in_background() is None and memory._nvml() is sys.modules["pynvml"]
+    assert len(fake_nvml) == 1
+
+
+def test_a_failing_nvml_start_leaves_the_fallback(monkeypatch, fake_nvml):
+    import sys
+
+    from ztriton import memory
+
+    def broken():
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(sys.modules["pynvml"], "nvmlInit", broken)
+    memory.start_nvml_in_background().join()
+    assert memory._nvml() is None and memory._nvml_free(0) is None  # the probe falls back to torch's figure
+
+
+@pytest.mark.parametrize("backend, expected", [("triton", 1), ("torch", 0)])
+def test_a_config_with_the_key_starts_nvml_in_the_background(monkeypatch, backend, expected):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ztriton.integrations.deepspeed.install import install
+
+    install()
+    calls = []
+    monkeypatch.setattr(ds_config, "start_probe_warm_up", lambda: calls.append(1))
+    DeepSpeedConfig({"train_batch_size": 1, "partition_backend": backend, "zero_optimization": {"stage": 2}})
+    assert len(calls) == expected
+
+
+def test_the_probe_warm_up_starts_only_on_a_cuda_accelerator(monkeypatch):
+    import deepspeed.accelerator
+
+    from ztriton import memory
+
+    started = []
+    monkeypatch.setattr(memory, "start_nvml_in_background", lambda: started.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, expected in (("cpu", []), ("cuda", [1])):
+        monkeypatch.setattr(deepspeed.accelerator, "get_accelerator",
+                            lambda name=name: type("Accelerator", (), {"device_name": lambda self: name})())
+        ds_config.start_probe_warm_up()
+        assert started == expected
