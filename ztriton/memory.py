@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -99,52 +98,18 @@ _NVML: list[tuple[int, Any]] = []
 _NVML_HANDLES: dict[tuple[int, int], Any] = {}
 
 
-# Held while NVML is being initialised: a probe waits for the background start (start_nvml_in_background) rather
-# than initialise a second time beside it. A forked child gets a fresh lock (its parent's may be held).
-_NVML_LOCK = threading.Lock()
-
-
-def _fresh_nvml_lock() -> None:
-    global _NVML_LOCK
-    _NVML_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_nvml_lock)
-
-
 def _nvml() -> Any:
     """pynvml, initialised for this process; None if NVML is not usable (not installed, no driver)."""
     if _NVML and _NVML[0][0] == os.getpid():
         return _NVML[0][1]
-    with _NVML_LOCK:
-        if _NVML and _NVML[0][0] == os.getpid():  # initialised while this thread waited
-            return _NVML[0][1]
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()  # never shut down: the process's exit releases it, as torch's own NVML use does
-        except Exception:
-            pynvml = None
-        _NVML[:] = [(os.getpid(), pynvml)]
-        return pynvml
-
-
-def start_nvml_in_background() -> threading.Thread | None:
-    """Initialise NVML in a daemon thread, so that the first memory probe does not pay ``nvmlInit`` (0.1 s to
-    over a second; a fresh process's ZeRO-2 flatten took 0.18-0.29 s against ~10 ms warm, batch s10e). Started
-    when a DeepSpeed config turns the key on: DeepSpeed's own set-up then hides it (ctypes releases the GIL in
-    the call). Returns the thread, or None where NVML is already initialised in this process. Best effort: a
-    failure to start it leaves the first probe to initialise NVML itself."""
-    if _NVML and _NVML[0][0] == os.getpid():
-        return None
     try:
-        thread = threading.Thread(target=_nvml, name="ztriton-nvml-init", daemon=True)
-        thread.start()
-    except RuntimeError as exc:  # threading's "can't start new thread"
-        logging.getLogger("ztriton").debug("ztriton: NVML start in the background failed (%s)", exc)
-        return None
-    return thread
+        import pynvml
+
+        pynvml.nvmlInit()  # never shut down: the process's exit releases it, as torch's own NVML use does
+    except Exception:
+        pynvml = None
+    _NVML[:] = [(os.getpid(), pynvml)]
+    return pynvml
 
 
 def _nvml_free(index: int) -> tuple[int, int] | None:

@@ -118,19 +118,6 @@ def warn_if_no_effect(settings: Settings, zero_stage: int) -> None:
                   "drop the key")
 
 
-def start_probe_warm_up() -> None:
-    """The memory probe's NVML, initialised in the background from the moment a config turns the key on
-    (``memory.start_nvml_in_background``): the first flatten or partition then probes without paying
-    ``nvmlInit``. Only where DeepSpeed runs on CUDA."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    if torch.cuda.is_available() and get_accelerator().device_name() == "cuda":
-        from ztriton.memory import start_nvml_in_background
-
-        start_nvml_in_background()
-
-
 def start_kernel_warm_up() -> None:
     """Load the kernels in the background from the moment a config asks for them (``"ztriton":
     {"warm_up_kernels": true}``): DeepSpeed's own set-up (engine, process groups, the model build) then hides
@@ -170,8 +157,6 @@ def config_init(original, self, config, *args, **kwargs):
         config = config._param_dict
     original(self, config, *args, **kwargs)
     settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
-    if settings.triton:
-        start_probe_warm_up()
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
     if isinstance(self._param_dict, dict):
