@@ -51,9 +51,10 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     ``[w0, w1)`` of the layout are written, into ``dst[: w1 - w0]``: one rank's partition of a
     flat buffer. Every element of the window is written exactly once. Returns ``dst``.
 
-    ``fresh=True`` says dst was just allocated for this result and nothing reads it yet: the sources
-    are then checked and copied in turns (:mod:`~ztriton.kernels.turns`), so the device starts before
-    the last source is checked; an error after the first turn leaves dst partly written (drop it).
+    ``fresh=True`` says dst was just allocated for this result and nothing reads it yet: the biggest
+    pieces are then copied first and the rest checked and copied in turns (:mod:`~ztriton.kernels.turns`),
+    so the device starts before the last source is checked; an error after the first copy leaves dst
+    partly written (drop it).
     """
     (run_fresh if fresh else run_plan)(dst, *pack_pieces(dst, sources, offsets, window))
     return dst
