@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from . import plan as _plan
-from .plan import (KERNELS_ONLY, PackPieces, Piece, _bytes, _check_disjoint, _torch_turn, _zero_ranges, check_dst,
-                   make_plan, run_plan, validate)
+from .plan import (KERNELS_ONLY, PackPieces, Piece, _bytes, _check_disjoint, _check_launchable, _torch_turn,
+                   _zero_ranges, check_dst, make_plan, run_plan, validate)
 
 __all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
 
@@ -95,11 +95,14 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
-    of the result (drop it); the sources are untouched."""
+    of the result (drop it). The sources are only read, as dst's contract requires: a source lying inside dst (which
+    a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
+    copies wrote over it."""
     if not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or worth_turns(dst, pieces)):
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
+    _check_launchable(dst)  # as one plan's: even when every piece leads and no plan is made
     zeros = _zero_ranges(zero_ranges, dst)
     with _errors_as_one_plan(dst, pieces, zeros, what):
         _check_destinations(dst, pieces, zeros, what)
@@ -131,9 +134,10 @@ def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
 
 def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     """The indices of the pieces :func:`run_fresh` copies first, biggest first (ties in index order): at least
-    ``LEAD_BYTES`` each, and plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous, without a lazy negation or
-    conjugation, its range inside it, its destination inside dst, its memory outside dst's. Reads only the
-    candidates' attributes; a candidate that fails is left to the plan's checks."""
+    ``LEAD_BYTES`` each, and plainly copyable as bytes: a source of dst's dtype, layout and device, contiguous,
+    without a lazy negation or conjugation, its range inside it, its destination inside dst, its memory (the
+    whole source, as one plan checks it) outside dst's. Reads only the candidates' attributes; a candidate that
+    fails is left to the plan's checks."""
     itemsize = dst.element_size()
     big = np.flatnonzero(pieces.count >= -(-LEAD_BYTES // itemsize))
     if not len(big):
@@ -150,8 +154,8 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
             continue
         if start < 0 or start + count > src.numel() or offset < 0 or offset + count > dst.numel():
             continue
-        lo = src.data_ptr() + start * itemsize
-        if lo < dst_hi and dst_lo < lo + count * itemsize:
+        lo = src.data_ptr()
+        if lo < dst_hi and dst_lo < lo + src.numel() * itemsize:
             continue
         keep.append(i)
     return np.array(keep, dtype=np.int64)
@@ -167,7 +171,10 @@ def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None
         for i in first.tolist():
             start, count, offset = int(pieces.start[i]) * itemsize, int(pieces.count[i]) * itemsize, \
                 int(pieces.offset[i]) * itemsize
-            out.narrow(0, offset, count).copy_(_bytes(pieces.sources[i]).narrow(0, start, count))
+            src = pieces.sources[i]
+            # Contiguous: its elements are its storage's from its offset on, whatever strides its size-1 dims carry.
+            flat = src.as_strided((src.numel(),), (1,), src.storage_offset()).view(torch.uint8)
+            out.narrow(0, offset, count).copy_(flat.narrow(0, start, count))
 
 
 @contextmanager

@@ -393,7 +393,8 @@ def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(
     assert torch.equal(bits(dst), bits(expected))
 
 
-@pytest.mark.parametrize("fault", ["dtype", "inside dst", "past its source", "past dst", "negated", "strided"])
+@pytest.mark.parametrize("fault", ["dtype", "inside dst", "past its source", "past dst", "negated", "conjugated",
+                                   "negative start", "meta", "strided"])
 def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fault):
     """Not copied in the lead: the plan then raises the one plan's error (nothing written) or, for a strided source
     the kernels gather, copies it right."""
@@ -412,6 +413,14 @@ def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fa
         slices[3] = (sources[3], 0, 20, 120)
     elif fault == "negated":
         slices[3] = (torch.zeros(20, dtype=torch.complex64, device=DEVICE).conj().imag, 0, 20, 96)
+    elif fault == "conjugated":  # a complex source with its lazy conjugation bit, into a complex dst
+        dst = torch.full((32 * len(sources),), 7.0, dtype=torch.complex64, device=DEVICE)
+        slices = [(s.to(torch.complex64), 0, s.numel(), 32 * k) for k, s in enumerate(sources)]
+        slices[3] = (torch.ones(20, dtype=torch.complex64, device=DEVICE).conj(), 0, 20, 96)
+    elif fault == "negative start":  # start + count still inside it: only start < 0 says no
+        slices[3] = (torch.arange(21, dtype=torch.float32, device=DEVICE), -1, 20, 96)
+    elif fault == "meta":
+        slices[3] = (torch.empty(20, device="meta"), 0, 20, 96)
     else:
         slices[3] = (torch.arange(40, dtype=torch.float32, device=DEVICE).view(20, 2).t(), 0, 20, 96)
     if fault == "strided":
@@ -423,12 +432,17 @@ def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fa
     with pytest.raises((TypeError, ValueError)) as one_plan:
         pack_slices(dst, slices)  # raises before writing: dst is still fresh for the call below
     assert bool((dst == 7.0).all())
-    before = [bits(s[0]).clone() for s in slices]
+    if fault == "conjugated":
+        monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 8)
+    def values(t):  # the bytes a source reads as (a lazy conjugation or negation resolved)
+        return bits(t.resolve_conj().resolve_neg()) if t.device.type != "meta" else None
+
+    before = [values(s[0]) for s in slices]
     with pytest.raises(type(one_plan.value)) as fresh:
         pack_slices(dst, slices, fresh=True)
     assert str(fresh.value) == str(one_plan.value) and "slices[3]" in str(fresh.value)
     assert 3 not in led[0]  # the others led (dst is fresh: dropped by the caller on this error)
-    assert all(torch.equal(bits(s[0]), b) for s, b in zip(slices, before))
+    assert all(b is None or torch.equal(values(s[0]), b) for s, b in zip(slices, before))
 
 
 def test_destinations_overlapping_a_lead_piece_are_refused_before_any_write(monkeypatch):
@@ -491,3 +505,62 @@ def test_a_fresh_pack_with_any_lead_is_the_pack(counts, lead_bytes, gap, window)
         pack(got, sources, offsets, win, fresh=True)
     assert torch.equal(got, expected)
 
+
+
+def test_a_lead_candidate_whose_source_reaches_into_dst_is_refused_as_one_plan_refuses_it(monkeypatch):
+    """Its piece's own range lies outside dst, the rest of its source does not: one plan refuses the source as a
+    whole, so the lead must not copy it (that copy would write into the source)."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 16)
+    memory = torch.arange(3000, dtype=torch.float32, device=DEVICE)
+    src, dst = memory[:2000], memory[1500:2500]
+    before = memory.clone()
+    with pytest.raises(ValueError) as one_plan:
+        pack(dst, [src], [0], (0, 1000))
+    with pytest.raises(ValueError) as fresh:
+        pack(dst, [src], [0], (0, 1000), fresh=True)
+    assert str(fresh.value) == str(one_plan.value) and "overlaps dst in memory" in str(fresh.value)
+    assert torch.equal(memory, before)
+
+
+def test_a_dst_the_kernels_cannot_reach_is_refused_even_when_every_piece_leads(monkeypatch):
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 2)
+    monkeypatch.setattr(plan_module, "runs_on", lambda device: False)
+    errors = []
+    for fresh in (False, True):
+        dst = torch.full((10,), 7.0, device=DEVICE)
+        with pytest.raises(ValueError) as caught:
+            pack(dst, [torch.ones(10, device=DEVICE)], [0], fresh=fresh)
+        errors.append(str(caught.value))
+        assert bool((dst == 7.0).all())
+    assert errors[0] == errors[1] and "where the Triton kernels cannot run" in errors[0]
+
+
+def test_a_one_element_source_with_any_stride_leads(monkeypatch):
+    """Contiguous (one element) but with a stride of 2: its bytes are still its storage's from its offset."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 2)
+    led = _recorded_lead(monkeypatch)
+    odd = torch.arange(6, dtype=torch.bfloat16, device=DEVICE)[1::2][:1]
+    assert odd.is_contiguous() and odd.stride() == (2,)
+    sources = [odd, torch.arange(5, dtype=torch.bfloat16, device=DEVICE)]
+    dst = torch.full((8,), -1.0, dtype=torch.bfloat16, device=DEVICE)
+    pack(dst, sources, [0, 2], fresh=True)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, [0, 2])
+    assert torch.equal(bits(dst), bits(expected)) and sorted(led[0]) == [0, 1]
+
+
+def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whole_job(monkeypatch):
+    """Some pieces lead, the rest goes in turns (re-indexed): the error still names the culprit as one plan does."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 10 * 4)  # sources_of makes 1-9 elements: only these three lead
+    led = _recorded_lead(monkeypatch)
+    sources = sources_of(N, torch.float32, seed=17)
+    for k in (2, 40, 90):
+        sources[k] = torch.arange(12, dtype=torch.float32, device=DEVICE)  # these lead
+    offsets = [16 * k for k in range(len(sources))]
+    bad = len(sources) - 5
+    sources[bad] = sources[bad].to(torch.float64)
+    with pytest.raises(TypeError) as whole:
+        pack(torch.empty(16 * len(sources), device=DEVICE), sources, offsets)
+    with pytest.raises(TypeError) as fresh:
+        pack(torch.empty(16 * len(sources), device=DEVICE), sources, offsets, fresh=True)
+    assert led == [[2, 40, 90]] and f"sources[{bad}]" in str(fresh.value) and str(fresh.value) == str(whole.value)
