@@ -3,6 +3,7 @@ filled by the previous process ("warm"), key off vs on.
 
     python bench/bench_coldstart.py [--world 8 --rank 3] [--out bench/results/coldstart_h200.json]
     python bench/bench_coldstart.py --smoke      # tiny mix on the CPU (kernels under the interpreter)
+    python bench/bench_coldstart.py --steps zero2 --backends triton --flatten-steps   # where the flatten's time goes
 
 Cells (the 8.6 GiB LLM mix of ``bench.models.llm_mix``, bf16, simulated rank ``--rank`` of ``--world``):
 
@@ -52,7 +53,31 @@ def _config(backend: str, stage: int) -> dict:
     return config
 
 
-def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dict:
+def _flatten_steps() -> dict[str, float]:
+    """Wrap each step of a flatten call (``probe_flatten_timeline.STEPS``) to add up its host milliseconds.
+    Imports the flatten's modules before the timed step, which a plain cell leaves to the step itself: hence
+    opt-in (``--flatten-steps``), for finding where a fresh process's flatten spends its time."""
+    import importlib
+
+    from bench.probe_flatten_timeline import STEPS
+
+    spent: dict[str, float] = {}
+    for module, name, label in STEPS:
+        owner = importlib.import_module(module)
+        real = getattr(owner, name)
+
+        def timed(*args, _real=real, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + (time.perf_counter() - start) * 1e3
+
+        setattr(owner, name, timed)
+    return spent
+
+
+def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatten_steps: bool = False) -> dict:
     import torch
 
     from bench.harness import cpu_fallback
@@ -90,6 +115,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dic
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("ztriton").addHandler(handler)
     logging.getLogger("ztriton").setLevel(logging.INFO)
+    spent = _flatten_steps() if flatten_steps and backend.startswith("triton") else None
     with simulated_world(world, rank):
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
@@ -109,6 +135,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool) -> dic
                 model=model, optimizer=optimizer, config=config))
     out["process_seconds"] = time.perf_counter() - STARTED
     out["ztriton_lines"] = lines
+    if spent is not None:
+        out["flatten_steps_ms"] = spent
     return out
 
 
@@ -117,6 +145,8 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
     cmd = [sys.executable, __file__, "--cell", step, backend, "--world", str(args.world), "--rank", str(args.rank)]
     if args.smoke:
         cmd.append("--smoke")
+    if args.flatten_steps:
+        cmd.append("--flatten-steps")
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - start
@@ -162,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rank", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--flatten-steps", action="store_true",
+                        help="key-on cells add up each flatten step's host ms (imports its modules before the step)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--warm-repeats", type=int, default=1,
                         help="warm processes per step and backend; each warm figure is their median")
@@ -169,7 +201,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=BACKENDS)
     args = parser.parse_args(argv)
     if args.cell:
-        print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke)), flush=True)
+        print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke, args.flatten_steps)),
+              flush=True)
         return 0
 
     cells: dict[str, dict] = {}
