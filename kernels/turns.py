@@ -129,7 +129,12 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
 
 def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
     """Whether any piece is big enough to lead (from the columns: no source is read)."""
-    return bool((pieces.count >= -(-LEAD_BYTES // dst.element_size())).any())
+    return bool(len(_big_enough(dst, pieces)))
+
+
+def _big_enough(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
+    """The indices of the pieces of at least ``LEAD_BYTES``, in index order."""
+    return np.flatnonzero(pieces.count >= -(-LEAD_BYTES // dst.element_size()))
 
 
 def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
@@ -139,7 +144,7 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     whole source, as one plan checks it) outside dst's. Reads only the candidates' attributes; a candidate that
     fails is left to the plan's checks."""
     itemsize = dst.element_size()
-    big = np.flatnonzero(pieces.count >= -(-LEAD_BYTES // itemsize))
+    big = _big_enough(dst, pieces)
     if not len(big):
         return big
     big = big[np.argsort(-pieces.count[big], kind="stable")]
