@@ -188,14 +188,16 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Pla
     kernel launches or torch copies (flat is new: :func:`ztriton.kernels.pack`'s ``fresh``), one ``copy_``
     each for the ones in ``away`` (evicted to the pinned spill: asynchronous, and finished when this returns)."""
     numels, offsets = places
-    local = [i for i in range(len(tensors)) if numels[i] and i not in away] if away else range(len(tensors))
+    local, at, sizes = tensors, offsets, numels  # the partitions on flat's device: all but the evicted ones
+    if away:
+        keep = [i for i in range(len(tensors)) if i not in away]
+        local, at, sizes = ([column[i] for i in keep] for column in (tensors, offsets, numels))
     if local and kernels_run_on(flat.device):
         # A pack: every partition whole at its offset, and zeros where none is (the evicted ones' places, written
         # below). Cheaper to plan than the same copy as slices: one int column, not a tuple per partition.
-        pack(flat, [tensors[i] for i in local] if away else tensors, [offsets[i] for i in local] if away else offsets,
-             fresh=True)
+        pack(flat, local, at, fresh=True)
     else:
-        torch_run(flat, [Piece(tensors[i], 0, numels[i], offsets[i]) for i in local if numels[i]])
+        torch_run(flat, [Piece(t, 0, n, o) for t, n, o in zip(local, sizes, at) if n])
     if away:
         with staging.synchronized(flat.device):
             for i in sorted(away):  # contiguous views of the spill
