@@ -20,6 +20,7 @@ cold process of the same step and backend just filled. Ratios key on / key off a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -53,28 +54,18 @@ def _config(backend: str, stage: int) -> dict:
     return config
 
 
-def _flatten_steps() -> dict[str, float]:
-    """Wrap each step of a flatten call (``probe_flatten_timeline.STEPS``) to add up its host milliseconds.
-    Imports the flatten's modules before the timed step, which a plain cell leaves to the step itself: hence
-    opt-in (``--flatten-steps``), for finding where a fresh process's flatten spends its time."""
-    import importlib
+def _flatten_steps(spent: dict[str, float]):
+    """Add up each step of a flatten call's host milliseconds into ``spent``, for the block
+    (``probe_flatten_timeline.steps_wrapped``). Imports the flatten's modules before the timed step, which a
+    plain cell leaves to the step itself: hence opt-in (``--flatten-steps``), for finding where a fresh process's
+    flatten spends its time."""
+    from bench.probe_flatten_timeline import steps_wrapped
 
-    from bench.probe_flatten_timeline import STEPS
+    def add(label, start, end, result):
+        spent[label] = spent.get(label, 0.0) + (end - start) * 1e3
+        return result
 
-    spent: dict[str, float] = {}
-    for module, name, label in STEPS:
-        owner = importlib.import_module(module)
-        real = getattr(owner, name)
-
-        def timed(*args, _real=real, _label=label, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                spent[_label] = spent.get(_label, 0.0) + (time.perf_counter() - start) * 1e3
-
-        setattr(owner, name, timed)
-    return spent
+    return steps_wrapped(add)
 
 
 def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatten_steps: bool = False) -> dict:
@@ -115,8 +106,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("ztriton").addHandler(handler)
     logging.getLogger("ztriton").setLevel(logging.INFO)
-    spent = _flatten_steps() if flatten_steps and backend.startswith("triton") else None
-    with simulated_world(world, rank):
+    spent = {} if flatten_steps and backend.startswith("triton") else None
+    with simulated_world(world, rank), _flatten_steps(spent) if spent is not None else contextlib.nullcontext():
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +42,31 @@ STEPS = [
 ]
 
 
+@contextlib.contextmanager
+def steps_wrapped(after: Callable[[str, float, float, Any], Any]) -> Iterator[None]:
+    """Wrap each of STEPS for the block: after each call, ``after(label, start, end, result)`` (host
+    ``perf_counter`` seconds) returns what the caller gets in place of ``result``. Imports the steps' modules."""
+    import importlib
+
+    patched = []
+    for module, name, label in STEPS:
+        owner = importlib.import_module(module)
+        real = getattr(owner, name)
+
+        def timed(*args, _real=real, _label=label, **kwargs):
+            start = time.perf_counter()
+            result = _real(*args, **kwargs)
+            return after(_label, start, time.perf_counter(), result)
+
+        setattr(owner, name, timed)
+        patched.append((owner, name, real))
+    try:
+        yield
+    finally:
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=["llm", "demo"], default="llm")
@@ -48,8 +74,6 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels-loaded", action="store_true", help="load the kernels before timing")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-
-    import importlib
 
     import torch
 
@@ -77,25 +101,15 @@ def main(argv=None) -> int:
     events: list = []
     t0 = [0.0]
 
-    def wrap(owner, name, label):
-        real = getattr(owner, name)
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                result = real(*a, **k)
-            finally:
-                rows.append((label, (start - t0[0]) * 1e3, (time.perf_counter() - t0[0]) * 1e3))
-            if cuda and label.startswith("plan"):
-                return _Launch(result, label)
-            if cuda and label == "lead copies":  # issued: the device's end of them is an event away
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                events.append(event)
-            return result
-
-        setattr(owner, name, timed)
-        return owner, name, real
+    def record(label, start, end, result):
+        rows.append((label, (start - t0[0]) * 1e3, (end - t0[0]) * 1e3))
+        if cuda and label.startswith("plan"):
+            return _Launch(result, label)
+        if cuda and label == "lead copies":  # issued: the device's end of them is an event away
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            events.append(event)
+        return result
 
     class _Launch:
         def __init__(self, plan, label):
@@ -133,14 +147,9 @@ def main(argv=None) -> int:
         del flat, group
         return {"rows": list(rows), "returned_ms": returned, "whole_ms": whole, "device_ends_ms": device_ends}
 
-    patched = [wrap(importlib.import_module(m), a, label) for m, a, label in STEPS]
-    try:
-        with simulated_world(8, 3):
-            once()
-            runs = [once() for _ in range(args.repeats)]
-    finally:
-        for owner, name, real in reversed(patched):
-            setattr(owner, name, real)
+    with steps_wrapped(record), simulated_world(8, 3):
+        once()
+        runs = [once() for _ in range(args.repeats)]
 
     print(f"[probe_flatten_timeline] {len(shapes)} params on {device}"
           f"{', kernels loaded' if args.kernels_loaded else ''}; median of {len(runs)} calls, ms from the call's start")
