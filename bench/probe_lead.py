@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -28,22 +29,16 @@ from ztriton.kernels.warmup import warm_up  # noqa: E402
 
 CASES = {"llm_602": llm_mix, "experts_200x64MiB": lambda: [[32 << 20]] * 200,
          "experts_24x512MiB": lambda: [[256 << 20]] * 24}
-WAYS = {"no lead": {"LEAD_BYTES": 1 << 62}, "lead": {}, "lead from 64 MiB": {"LEAD_BYTES": 64 << 20}}
+WAYS = {"no lead": 1 << 62, "lead": turns.LEAD_BYTES, "lead from 64 MiB": 64 << 20}  # LEAD_BYTES of each
 
 
-def whole_call_ms(flat, params, offsets, settings: dict) -> float:
-    saved = {name: getattr(turns, name) for name in settings}
-    for name, value in settings.items():
-        setattr(turns, name, value)
-    try:
+def whole_call_ms(flat, params, offsets, lead_bytes: int) -> float:
+    with mock.patch.object(turns, "LEAD_BYTES", lead_bytes):
         torch.cuda.synchronize()
         start = time.perf_counter()
         pack(flat, params, offsets, fresh=True)
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3
-    finally:
-        for name, value in saved.items():
-            setattr(turns, name, value)
+    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> int:
@@ -60,11 +55,11 @@ def main() -> int:
         flat = torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda")
         floor_ms = 2 * total * params[0].element_size() / copy_gbps / 1e6
         times = {way: [] for way in WAYS}
-        for way, settings in WAYS.items():  # compile and cache every variant
-            whole_call_ms(flat, params, offsets, settings)
+        for way, lead_bytes in WAYS.items():  # compile and cache every variant
+            whole_call_ms(flat, params, offsets, lead_bytes)
         for _ in range(10):
-            for way, settings in WAYS.items():
-                times[way].append(whole_call_ms(flat, params, offsets, settings))
+            for way, lead_bytes in WAYS.items():
+                times[way].append(whole_call_ms(flat, params, offsets, lead_bytes))
         row = {"pieces": len(params), "gib": total * params[0].element_size() / 2**30, "copy_floor_ms": floor_ms}
         for way in WAYS:
             row[way] = {"median_ms": statistics.median(times[way]), "over_floor": floor_ms / statistics.median(times[way]),

@@ -10,13 +10,13 @@ synchronize inside the call would serialise the turns); then the flatten's devic
 cProfile (where its host time goes beside the pack).
 """
 import argparse
-import contextlib
 import cProfile
 import json
 import pstats
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -99,19 +99,13 @@ SCHEDULES = [(32, 2), (32, 4), (64, 4), (128, 2), (128, 8)]
 def schedules(cases: dict) -> dict:
     """pack(fresh=True)'s whole call under each schedule of turns (kernels loaded), interleaved, median of 10;
     one plan beside them."""
-    from unittest import mock
-
     times: dict[str, dict[str, list[float]]] = {name: {} for name in cases}
-    ways = [("one plan", None)] + [(f"first {first}, x{growth}", (first, growth)) for first, growth in SCHEDULES]
+    ways = [("one plan", {"MIN_PIECES": 1 << 62})] + [
+        (f"first {first}, x{growth}", {"FIRST_TURN": first, "GROWTH": growth}) for first, growth in SCHEDULES]
     for _ in range(10):
         for name, (params, offsets, flat) in cases.items():
-            for label, way in ways:
-                patches = [mock.patch.object(turns_module, "MIN_PIECES", 1 << 62)] if way is None else [
-                    mock.patch.object(turns_module, "FIRST_TURN", way[0]),
-                    mock.patch.object(turns_module, "GROWTH", way[1])]
-                with contextlib.ExitStack() as stack:
-                    for patch in patches:
-                        stack.enter_context(patch)
+            for label, settings in ways:
+                with mock.patch.multiple(turns_module, **settings):
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     pack(flat, params, offsets, fresh=True)
@@ -173,13 +167,12 @@ def main() -> int:
             for _ in range(10):  # the whole call, as a user makes it: one plan against pack(fresh=True)
                 for way, times, lead in ((False, one_plan, lead_bytes), (True, no_lead, 1 << 62),
                                          (True, fresh, lead_bytes)):
-                    turns_module.LEAD_BYTES = lead
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    pack(flat, params, offsets, fresh=way)
-                    torch.cuda.synchronize()
+                    with mock.patch.object(turns_module, "LEAD_BYTES", lead):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        pack(flat, params, offsets, fresh=way)
+                        torch.cuda.synchronize()
                     times.append((time.perf_counter() - start) * 1e3)
-            turns_module.LEAD_BYTES = lead_bytes
             medians = {"one_plan_ms": sorted(one_plan)[5], "fresh_no_lead_ms": sorted(no_lead)[5],
                        "fresh_ms": sorted(fresh)[5]}
             print(f"{route} {name} whole call, median of 10: one plan {medians['one_plan_ms']:.2f} ms, "
