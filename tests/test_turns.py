@@ -50,15 +50,20 @@ def test_turns_cover_every_index_once_in_order(n, first, growth, last):
     assert [b - a for a, b in spans][:-1] == full[:len(spans) - 1]
 
 
+def random_source(numel: int, dtype: torch.dtype, g: torch.Generator, at_offset: bool) -> torch.Tensor:
+    """``numel`` elements of random bits (raw bool bytes too), one element into their storage if ``at_offset``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, ((numel + 1) * itemsize,), dtype=torch.uint8, generator=g).view(dtype).to(DEVICE)
+    return raw[1:] if at_offset else raw[:numel]
+
+
 def sources_of(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     """``n`` sources of 1-9 elements of random bits (raw bool bytes too), some 2-D, some views at an offset."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for k in range(n):
         numel = int(torch.randint(1, 10, (), generator=g))
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 256, ((numel + 1) * itemsize,), dtype=torch.uint8, generator=g).view(dtype).to(DEVICE)
-        src = raw[1:] if k % 3 == 0 else raw[:numel]  # every third one starts one element into its storage
+        src = random_source(numel, dtype, g, at_offset=k % 3 == 0)  # every third one starts one element in
         out.append(src.view(1, numel) if k % 5 == 0 else src)
     return out
 
@@ -345,12 +350,7 @@ def test_a_defragment_whose_second_turn_fails_keeps_every_partition(monkeypatch,
 def _sized_sources(counts: list[int], dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> list[torch.Tensor]:
     """A source of random bits per count (raw bool bytes too); every other one a view one element into its storage."""
     g = torch.Generator().manual_seed(seed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    out = []
-    for k, n in enumerate(counts):
-        raw = torch.randint(0, 256, ((n + 1) * itemsize,), dtype=torch.uint8, generator=g).view(dtype).to(DEVICE)
-        out.append(raw[1:] if k % 2 else raw[:n])
-    return out
+    return [random_source(n, dtype, g, at_offset=k % 2 == 1) for k, n in enumerate(counts)]
 
 
 def _recorded_lead(monkeypatch) -> list:
