@@ -68,7 +68,76 @@ def _flatten_steps(spent: dict[str, float]):
     return steps_wrapped(add)
 
 
-def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatten_steps: bool = False) -> dict:
+@contextlib.contextmanager
+def _collections(out: dict, key: str):
+    """Add the seconds the garbage collector spent in the block, per generation, to ``out[key]``: a full
+    collection of a process holding torch's and DeepSpeed's objects takes ~0.1-0.2 s, and it lands on whichever
+    step crosses the collector's threshold (session 11)."""
+    import gc
+
+    spent = out.setdefault(key, {})
+    started: list[float] = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            name = f"gen{info['generation']}"
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started.pop()
+            spent[name + "_count"] = spent.get(name + "_count", 0) + 1
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+@contextlib.contextmanager
+def _timed_flattens(out: dict, sync):
+    """Add each ``flatten_dense_tensors_aligned`` call's seconds (synchronised on both sides) to
+    ``out["flatten_seconds"]``: the one step the key changes at ZeRO-2, DeepSpeed's ``torch.cat`` or ztriton's
+    flatten, as the fresh process pays it (first calls and the flat buffer's allocation included)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    installed = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned  # ztriton's wrapper when the key's hooks are in
+    out["flatten_seconds"] = 0.0
+    out["flatten_imports"] = []  # the modules the flatten imported (a fresh process pays their import there)
+
+    def timed_flatten(self, *args, **kwargs):
+        sync()
+        before = set(sys.modules)
+        start = time.perf_counter()
+        try:
+            with _collections(out, "flatten_gc"):
+                return installed(self, *args, **kwargs)
+        finally:
+            sync()
+            out["flatten_seconds"] += time.perf_counter() - start
+            out["flatten_imports"] += sorted(set(sys.modules) - before)
+
+    DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = timed_flatten
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = installed
+
+
+# What ``--trace`` follows: every module a ZeRO-2 flatten or a ZeRO-3 defragment passes through.
+TRACED_MODULES = ["ztriton.integrations.deepspeed.optimizers", "ztriton.integrations.deepspeed.report",
+                  "ztriton.flatten.groups", "ztriton.flatten.tiers", "ztriton.defragmenting", "ztriton.comm",
+                  "ztriton.memory", "ztriton.policy", "ztriton.layout", "ztriton.staging", "ztriton.kernels",
+                  "ztriton.kernels.ops", "ztriton.kernels.turns", "ztriton.kernels.plan"]  # not .copy: it imports triton
+# torch's calls the flatten's torch route makes, each the first in a fresh process (kernel loading, first dispatch).
+TRACED_TORCH = ("torch._foreach_copy_", "torch._foreach_zero_", "torch.Tensor.copy_", "torch.Tensor.zero_",
+                "torch.Tensor.split", "torch.Tensor.view", "torch.Tensor.as_strided", "torch.Tensor.narrow",
+                "torch.empty", "torch.zeros")
+
+
+def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatten_steps: bool = False,
+             trace: bool = False, preimport: tuple[str, ...] = ()) -> dict:
+    import importlib
+
     import torch
 
     from bench.harness import cpu_fallback
@@ -81,6 +150,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     # and a key-on one only where a copy needs a kernel; the cells' timed steps must pay that import themselves.
     from ztriton.integrations.deepspeed.worlds import simulated_world
 
+    for name in preimport:  # --preimport: what the step would import, paid before it (an experiment)
+        importlib.import_module(name)
     imported = time.perf_counter() - STARTED
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -107,12 +178,20 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     logging.getLogger("ztriton").addHandler(handler)
     logging.getLogger("ztriton").setLevel(logging.INFO)
     spent = {} if flatten_steps and backend.startswith("triton") else None
-    with simulated_world(world, rank), _flatten_steps(spent) if spent is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(simulated_world(world, rank))
+        if spent is not None:
+            stack.enter_context(_flatten_steps(spent))
+        if trace and backend.startswith("triton"):
+            from bench.trace_calls import traced
+
+            calls = stack.enter_context(traced(TRACED_MODULES, TRACED_TORCH))
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-            _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
-                model=model, optimizer=optimizer, config=_config(backend, 2)))
+            with _timed_flattens(out, sync), _collections(out, "initialize_gc"):
+                _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
+                    model=model, optimizer=optimizer, config=_config(backend, 2)))
         else:
             config = _config(backend, 3)
 
@@ -128,6 +207,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     out["ztriton_lines"] = lines
     if spent is not None:
         out["flatten_steps_ms"] = spent
+    if trace and backend.startswith("triton"):
+        out["trace"] = calls.lines(min_ms=0.5)
     return out
 
 
@@ -138,6 +219,10 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
         cmd.append("--smoke")
     if args.flatten_steps:
         cmd.append("--flatten-steps")
+    if args.trace:
+        cmd.append("--trace")
+    if args.preimport:
+        cmd += ["--preimport", *args.preimport]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     wall = time.perf_counter() - start
@@ -185,6 +270,11 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--flatten-steps", action="store_true",
                         help="key-on cells add up each flatten step's host ms (imports its modules before the step)")
+    parser.add_argument("--trace", action="store_true",
+                        help="key-on cells keep a wall-clock call tree of ztriton's functions (bench/trace_calls.py; "
+                             "imports them before the step)")
+    parser.add_argument("--preimport", nargs="+", default=[], metavar="MODULE",
+                        help="cells import these before the timed step (to learn what a first import costs it)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--warm-repeats", type=int, default=1,
                         help="warm processes per step and backend; each warm figure is their median")
@@ -192,7 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=BACKENDS)
     args = parser.parse_args(argv)
     if args.cell:
-        print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke, args.flatten_steps)),
+        print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke, args.flatten_steps,
+                                                 args.trace, tuple(args.preimport))),
               flush=True)
         return 0
 
@@ -222,7 +313,9 @@ def main(argv=None) -> int:
                       f"step finished:\n{result['exit_tail'][-400:]}", flush=True)
         cells.update({key: _median(found) for key, found in runs.items() if found})
     ratios = {}
-    for step, fields in (("zero2", ("initialize_seconds",)), ("zero3", ("build_seconds", "initialize_seconds"))):
+    for name, step, fields in (("zero2", "zero2", ("initialize_seconds",)),
+                               ("zero2-flatten", "zero2", ("flatten_seconds",)),
+                               ("zero3", "zero3", ("build_seconds", "initialize_seconds"))):
         for temperature in ("cold", "warm"):
             off = cells.get(f"{step}/torch/{temperature}", {})
             for backend in [b for b in args.backends if b != "torch"] if "torch" in args.backends else ():
@@ -232,7 +325,7 @@ def main(argv=None) -> int:
                 total_off = sum(off[f] for f in fields)
                 total_on = sum(on[f] for f in fields)
                 suffix = "" if backend == "triton" else f"/{backend}"
-                ratios[f"{step}/{temperature}{suffix}"] = {
+                ratios[f"{name}/{temperature}{suffix}"] = {
                     "key_off_seconds": total_off, "key_on_seconds": total_on,
                     "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off,
                     **_paired(off, on, fields)}
