@@ -622,6 +622,20 @@ class Tuning:
     # Under run_now, a _foreach_copy_ is issued each time this many pieces of one word width are ready, so that
     # the device starts while the host still makes the next pieces' views.
     batch_pieces: int = 64
+    # torch's _foreach_copy_ and _foreach_zero_ only for more pieces (gaps) than this; fewer get a copy_ (zero_)
+    # each. A process's first _foreach_copy_ loads its CUDA kernel: 17-22 ms on the H200 for the LLM mix's 400
+    # small params, against 4.6-6.4 ms for a copy_ each, which is a memcpy with no kernel to load (4.0-5.9 ms
+    # again on a second call, _foreach_copy_ of int64 views 4.3: bench/results/first_calls_h200_s11g.json). The
+    # torch route runs where no kernel is loaded yet: mostly once, in a fresh process.
+    foreach_from: int = 1024
+    # Runs (and gaps) that follow one another in dst, at least this many, are written by one torch.cat(out=) of
+    # their sources (and zeros) instead of a copy_ / _foreach_copy_ each: one call of host time for any number of
+    # pieces, which a fresh process's flatten is bound by (session 11: 602 copy_ took 14 ms there against
+    # DeepSpeed's 7.5 ms torch.cat). 0: never.
+    cat_items: int = 2
+    # A gap joins such a cat (as a view of one zero buffer) only up to this many bytes: the buffer is device memory
+    # beside dst, so a long gap (the evict tier's evicted params) is zeroed apart instead. Pads are a few elements.
+    cat_gap_bytes: int = 64 << 10
 
 
 # Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
@@ -645,11 +659,13 @@ class Plan:
     batches: list = field(default_factory=list)  # (outs, srcs) lists of views for one torch._foreach_copy_ each
     fills: list = field(default_factory=list)  # views of dst for torch's zero_
     inference: bool = False  # the views are inference tensors (made in inference mode): written only inside it
+    zero_each: bool = False  # a zero_ per fill instead of one _foreach_zero_ (Tuning.foreach_from)
+    cats: list = field(default_factory=list)  # (out, inputs): one torch.cat(inputs, out=out) each
 
     @property
     def torch_copies(self) -> bool:
         """Whether this plan copies with torch (copy_, _foreach_copy_, zero_) instead of launching kernels."""
-        return bool(self.copies or self.batches or self.fills)
+        return bool(self.copies or self.cats or self.batches or self.fills)
 
     def launch(self) -> None:
         if self.stream is None:  # CPU, under the interpreter
@@ -673,13 +689,18 @@ class Plan:
         return _INTERPRETER_LOCK if self.launches and interpreted() else _torch_turn()
 
     def copy_with_torch(self) -> None:
-        """The torch part: each own copy, each batch's ``_foreach_copy_``, one ``_foreach_zero_`` of the gaps
-        (in the caller's autograd mode)."""
+        """The torch part: each own copy, each ``torch.cat``, each batch's ``_foreach_copy_``, the gaps' ``zero_``
+        each or one ``_foreach_zero_`` (in the caller's autograd mode)."""
         for out, src in self.copies:
             out.copy_(src)
+        for out, inputs in self.cats:
+            torch.cat(inputs, out=out)
         for outs, srcs in self.batches:
             torch._foreach_copy_(outs, srcs)
-        if self.fills:
+        if self.zero_each:
+            for fill in self.fills:
+                fill.zero_()
+        elif self.fills:
             torch._foreach_zero_(self.fills)
 
     def _launch_all(self) -> None:
@@ -919,13 +940,15 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     On integer views of the flattened tensors (the widest word that every destination range, and the piece's
     source, is aligned to; bytes at worst), as the kernels see them: offsets count elements of dst's flattening
     whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, NaN payloads, fp4 pairs, which
-    torch would convert, canonicalise or refuse as their own dtypes). A piece of ``Tuning.own_copy_bytes`` or
-    more gets a ``copy_`` of its own, the rest ``torch._foreach_copy_`` per word width, the gaps one
-    ``torch._foreach_zero_``. The views are made, and later written, without autograd (so no ``detach`` per
-    source). Where the pieces and gaps cover dst (a pack, a partition) one ``split`` cuts all of dst's views; a
-    source copied whole needs no ``narrow``. ``run_now``: each own copy is issued as soon as its views exist, a
-    ``_foreach_copy_`` as soon as ``Tuning.batch_pieces`` pieces of its width are ready, the rest at the end, in
-    the mode the views were made in; nothing is left to launch.
+    torch would convert, canonicalise or refuse as their own dtypes). Runs and gaps that follow one another in
+    dst (``Tuning.cat_items`` or more, every run word-aligned and on dst's device, every gap short:
+    ``Tuning.cat_gap_bytes``) are written by one ``torch.cat(out=)`` of their sources and of a zero buffer's views. Of the others, a piece of ``Tuning.own_copy_bytes`` or more gets a
+    ``copy_`` of its own, the rest ``torch._foreach_copy_`` per word width, the gaps one ``torch._foreach_zero_``;
+    up to ``Tuning.foreach_from`` of them, each its own ``copy_`` (``zero_``). The views are made, and later
+    written, without autograd (so no ``detach`` per source). Where the pieces and gaps cover dst (a pack, a
+    partition) one ``split`` cuts all of dst's views; a source copied whole needs no ``narrow``. ``run_now``: each
+    own copy is issued as soon as its views exist, a ``_foreach_copy_`` as soon as ``Tuning.batch_pieces`` pieces
+    of its width are ready, the rest at the end, in the mode the views were made in; nothing is left to launch.
     """
     width = dst.element_size()
     live = np.flatnonzero(srcs.count > 0)
@@ -936,15 +959,27 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                                        [dst.storage_offset() * width, dst.numel() * width, dst.data_ptr()]]))
     words = _INT_OF_WIDTH[word]
     aligned = runs.aligned_to(word)
+    n_runs = len(runs.sources)
+    # Only sources on dst's device join a cat (torch.cat would move a host source to the device first, whole).
+    joined = _joined(np.concatenate([runs.offset, gaps[:, 0]]), np.concatenate([runs.nbytes, gaps[:, 1]]),
+                     np.concatenate([aligned & runs.local, gaps[:, 1] <= tuning.cat_gap_bytes]), tuning.cat_items)
+    alone = np.ones(n_runs + len(gaps), dtype=bool)
+    for items in joined:
+        alone[items] = False
     own = runs.nbytes >= tuning.own_copy_bytes
+    if int(alone[:n_runs].sum()) <= tuning.foreach_from:
+        own[:] = True
+    zero_each = int(alone[n_runs:].sum()) <= tuning.foreach_from
     with _torch_turn() if run_now else nullcontext(), torch.no_grad():
         out = _bytes(dst).view(words)
         outs = _cut(out, list(zip((runs.offset // word).tolist(), (runs.nbytes // word).tolist())),
                     [(offset // word, count // word) for offset, count in gaps.tolist()])
-        copies, batches = [], {}
-        for r, into in enumerate(outs[:len(runs.sources)]):
+        copies, batches, sources = [], {}, {}
+        for r, into in enumerate(outs[:n_runs]):
             view, into = runs.views(r, into, words if aligned[r] else torch.uint8)
-            if own[r]:
+            if not alone[r]:
+                sources[r] = view
+            elif own[r]:
                 if run_now:
                     into.copy_(view)
                 else:
@@ -956,13 +991,46 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 if run_now and len(batch[0]) >= tuning.batch_pieces:
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
-        fills = outs[len(runs.sources):]
+        cats = _cats(out, outs, joined, sources, n_runs, words) if joined else []
+        fills = [outs[n_runs + g] for g in np.flatnonzero(alone[n_runs:]).tolist()]
         if run_now:
-            Plan([], keep_alive, [], None, [], list(batches.values()), fills).copy_with_torch()
+            Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
+                 cats=cats).copy_with_torch()
             return Plan([], keep_alive, [], _launch_stream(dst))
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
     # be written inside it again.
-    return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference())
+    return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference(),
+                zero_each, cats)
+
+
+def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_least: int) -> list[list[int]]:
+    """Groups of items (by index) that follow one another in dst, each item starting where the one before it
+    ends, all ``joinable``, at least ``at_least`` of them (0: none), each group in dst order."""
+    n = len(offset)
+    if at_least <= 0 or n < max(at_least, 2):
+        return []
+    order = np.argsort(offset, kind="stable")
+    start, end, ok = offset[order], (offset + nbytes)[order], joinable[order]
+    touch = (start[1:] == end[:-1]) & ok[1:] & ok[:-1]
+    heads = np.flatnonzero(np.concatenate([[True], ~touch]))
+    ends = np.append(heads[1:], n)
+    return [order[h:e].tolist() for h, e in zip(heads.tolist(), ends.tolist()) if e - h >= max(at_least, 2)]
+
+
+def _cats(out: torch.Tensor, outs: list, joined: list[list[int]], sources: dict, n_runs: int,
+          words: torch.dtype) -> list[tuple[torch.Tensor, list]]:
+    """One ``(out view, inputs)`` per group of :func:`_joined`: its runs' source views and, for its gaps, views of
+    one zero buffer (as long as the longest gap), in dst order."""
+    longest = max((outs[i].numel() for items in joined for i in items if i >= n_runs), default=0)
+    zero = torch.zeros(longest, dtype=words, device=out.device) if longest else None
+    cats = []
+    for items in joined:
+        first, last = outs[items[0]], outs[items[-1]]
+        lo = first.storage_offset() - out.storage_offset()
+        span = last.storage_offset() + last.numel() - first.storage_offset()
+        inputs = [sources[i] if i < n_runs else zero.narrow(0, 0, outs[i].numel()) for i in items]
+        cats.append((out.narrow(0, lo, span), inputs))
+    return cats
 
 
 @dataclass
@@ -979,6 +1047,7 @@ class _CopyRuns:
     whole: np.ndarray  # a single piece that is its whole source
     source_words: np.ndarray  # bytes its source's storage offset and size share (a single piece's word bound)
     address: np.ndarray  # the run's first source byte in memory
+    local: np.ndarray  # its source is on dst's device
 
     def aligned_to(self, word: int) -> np.ndarray:
         """Runs whose source side can be viewed as ``word``-byte integers: a single piece whose source starts on
@@ -1015,7 +1084,7 @@ def _copy_runs(every: list, live: np.ndarray, srcs: _Sources, width: int) -> _Co
     return _CopyRuns([sources[k] for k in heads.tolist()], (first + starts)[heads], starts[heads],
                      np.add.reduceat(counts, heads) if len(heads) else counts, offsets[heads], alone,
                      alone & ((starts == 0) & (counts == numels))[heads], (first | numels)[heads],
-                     (srcs.lo[live] + starts)[heads])
+                     (srcs.lo[live] + starts)[heads], srcs.local[live][heads])
 
 
 def _runs(sources: list, bases: np.ndarray, firsts: np.ndarray, counts: np.ndarray, offsets: np.ndarray

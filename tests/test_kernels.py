@@ -406,7 +406,7 @@ def test_tables_keep_pointer_arguments_16_byte_aligned():
 def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, dtype):
     """Up to ``Tuning.torch_pieces`` contiguous pieces: torch's copies and zeroes instead of a launch, the
     same bytes as the kernels write (pieces anywhere in their sources, sources at any offset of their storage,
-    1-D or 2-D, gaps before, between and after; each piece's own copy_ or a shared _foreach_copy_)."""
+    1-D or 2-D, gaps before, between and after; each piece's own copy_, a shared _foreach_copy_ or torch.cat)."""
     from ztriton.kernels import Piece, Tuning, make_plan
 
     count = data.draw(st.integers(0, 6))
@@ -424,9 +424,13 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
     # With the gaps zeroed the pieces and gaps tile dst (one split cuts its views), without them they do not.
     gaps = plan_module.uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at) if data.draw(st.booleans()) else []
-    # Pieces of at least own_copy_bytes get a copy_ each, the others share a _foreach_copy_ per word width.
+    # Runs and gaps side by side in dst (cat_items or more) are one torch.cat; of the others, pieces of at least
+    # own_copy_bytes get a copy_ each, the rest share a _foreach_copy_ per word width, but only where more than
+    # foreach_from are left (the gaps likewise: a zero_ each or one _foreach_zero_).
     own = data.draw(st.sampled_from([1, 24, Tuning().own_copy_bytes]))
-    torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own))
+    tuning = Tuning(own_copy_bytes=own, foreach_from=data.draw(st.sampled_from([0, 2, Tuning().foreach_from])),
+                    cat_items=data.draw(st.sampled_from([0, 2, 3, Tuning().cat_items])))
+    torch_plan = make_plan(by_torch, pieces, gaps, tuning=tuning)
     assert not torch_plan.launches, "a few contiguous pieces should not launch a kernel"
     torch_plan.launch()
     make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
@@ -434,7 +438,7 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     # Copied while planned (run_plan's way), into dst at an element offset of a bigger buffer.
     lead = data.draw(st.integers(0, 3))
     by_now = poisoned(lead + at, dtype)[lead:]
-    done = make_plan(by_now, pieces, gaps, tuning=Tuning(own_copy_bytes=own), run_now=True)
+    done = make_plan(by_now, pieces, gaps, tuning=tuning, run_now=True)
     assert not done.torch_copies and not done.launches, "run_now leaves nothing to launch"
     assert torch.equal(bits(by_now), bits(by_kernels))
 
@@ -822,7 +826,7 @@ def test_torch_copies_take_pieces_side_by_side_in_one_storage_as_one_copy(data, 
     gaps = plan_module.uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, at)
     own = data.draw(st.sampled_from([1, Tuning().own_copy_bytes]))
     by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
-    torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own))
+    torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own, foreach_from=0, cat_items=0))
     assert torch_plan.torch_copies and not torch_plan.launches
     continues = [a.src.untyped_storage().data_ptr() == b.src.untyped_storage().data_ptr()
                  and a.src.storage_offset() + a.count == b.src.storage_offset() and a.offset + a.count == b.offset
@@ -851,19 +855,19 @@ def test_torch_copies_merge_a_run_only_inside_its_first_storage():
     are copied one by one; two slices of one tensor are one copy."""
     import numpy as np
 
-    from ztriton.kernels import Piece, make_plan
+    from ztriton.kernels import Piece, Tuning, make_plan
 
     memory = np.arange(16, dtype=np.float32)
     short = torch.from_numpy(memory[:8])  # a storage of 8 elements
     rest = torch.from_numpy(memory)[8:]  # the same first address, a storage of 16
     dst = torch.zeros(16)
-    plan = make_plan(dst, [Piece(short, 0, 8, 0), Piece(rest, 0, 8, 8)])
+    plan = make_plan(dst, [Piece(short, 0, 8, 0), Piece(rest, 0, 8, 8)], tuning=Tuning(cat_items=0))
     assert sum(len(outs) for outs, _ in plan.batches) + len(plan.copies) == 2
     plan.launch()
     assert dst.tolist() == list(range(16))
     dst.zero_()
     whole = torch.from_numpy(memory)
-    plan = make_plan(dst, [Piece(whole[:5], 0, 5, 0), Piece(whole[5:], 0, 11, 5)])
+    plan = make_plan(dst, [Piece(whole[:5], 0, 5, 0), Piece(whole[5:], 0, 11, 5)], tuning=Tuning(cat_items=0))
     assert sum(len(outs) for outs, _ in plan.batches) + len(plan.copies) == 1
     plan.launch()
     assert dst.tolist() == list(range(16))
@@ -882,7 +886,8 @@ def test_torch_copies_view_words_only_at_word_addresses():
     assert odd.data_ptr() % 2 == 1 and odd.storage_offset() == 0 and odd.numel() == 200
     for dst in (torch.zeros(64, dtype=torch.uint8), torch.from_numpy(np.frombuffer(bytearray(65), np.uint8, offset=1))):
         for own in (1, Tuning().own_copy_bytes):
-            plan = make_plan(dst, [Piece(odd, 0, 32, 0), Piece(odd, 40, 32, 32)], tuning=Tuning(own_copy_bytes=own))
+            plan = make_plan(dst, [Piece(odd, 0, 32, 0), Piece(odd, 40, 32, 32)],
+                             tuning=Tuning(own_copy_bytes=own, foreach_from=0, cat_items=0))
             views = [t for out, src in plan.copies for t in (out, src)] + \
                 [t for outs, srcs in plan.batches for t in outs + srcs]
             assert views and all(t.data_ptr() % t.element_size() == 0 for t in views), \
@@ -905,7 +910,7 @@ def test_torch_copies_issued_as_planned_go_in_batches(monkeypatch):
     sources = [random_tensor([int(n)], torch.float32, gen) for n in torch.randint(1, 9, (150,), generator=gen)]
     offsets, end = layout_of([s.numel() for s in sources], [2] * len(sources))
     flat = poisoned(end, torch.float32)
-    tuning = Tuning(torch_pieces=1000, batch_pieces=64)
+    tuning = Tuning(torch_pieces=1000, batch_pieces=64, foreach_from=0, cat_items=0)
     assert make_plan(flat, *pack_pieces(flat, sources, offsets), tuning=tuning, run_now=True).launches == []
     assert sum(calls) == 150 and calls[:2] == [64, 64], calls
     assert torch.equal(bits(flat), bits(reference_layout(sources, offsets, end, torch.float32)))
@@ -913,3 +918,94 @@ def test_torch_copies_issued_as_planned_go_in_batches(monkeypatch):
     later = poisoned(end, torch.float32)
     make_plan(later, *pack_pieces(later, sources, offsets), tuning=tuning).launch()  # planned first: one call
     assert calls == [150] and torch.equal(bits(later), bits(flat))
+
+
+def test_torch_copies_one_per_piece_and_zero_per_gap_up_to_foreach_from(monkeypatch):
+    """Up to Tuning.foreach_from pieces (gaps), torch's route gives each its own copy_ (zero_): a process's first
+    _foreach_copy_ loads a CUDA kernel (17-22 ms on the H200, session 11), a copy_ of contiguous bytes is a memcpy.
+    Above it, small pieces share _foreach_copy_ calls and the gaps one _foreach_zero_. The same bytes either way."""
+    from ztriton.kernels import Tuning, make_plan
+    from ztriton.kernels.plan import pack_pieces
+
+    calls = []
+    for name in ("_foreach_copy_", "_foreach_zero_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, _name=name, _real=real: (calls.append(_name), _real(*args)))
+    gen = torch.Generator().manual_seed(5)
+    sources = [random_tensor([int(n)], torch.float32, gen) for n in torch.randint(1, 9, (40,), generator=gen)]
+    offsets, end = layout_of([s.numel() for s in sources], [1] * len(sources))  # a gap after each piece
+    expected = reference_layout(sources, offsets, end, torch.float32)
+    for foreach_from, foreach_calls in ((40, []), (39, ["_foreach_copy_", "_foreach_zero_"])):
+        flat = poisoned(end, torch.float32)
+        plan = make_plan(flat, *pack_pieces(flat, sources, offsets), tuning=Tuning(
+            torch_pieces=1000, foreach_from=foreach_from, cat_items=0))
+        assert len(plan.copies) == (40 if foreach_from == 40 else 0) and plan.zero_each == (foreach_from == 40)
+        calls.clear()
+        plan.launch()
+        assert calls == foreach_calls, (foreach_from, calls)
+        assert torch.equal(bits(flat), bits(expected))
+
+
+def test_torch_copies_join_pieces_side_by_side_in_one_cat(monkeypatch):
+    """Pieces and gaps that tile a span of dst go through one torch.cat(out=) of their sources and zeros (one call of
+    host time for all of them: session 11's fresh-process flatten); a piece whose source is not word-aligned breaks
+    the span (its bytes cannot share the cat's integer words), a piece apart from the others is copied alone. The
+    bits are those of the kernels."""
+    import numpy as np
+
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    cats = []
+    real = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real(inputs, **kw))[1])
+    gen = torch.Generator().manual_seed(9)
+    a, b, c, d = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8, 2))
+    odd = torch.from_numpy(np.frombuffer(bytearray(41), dtype=np.uint8, offset=1).copy())  # a word-aligned copy
+    unaligned = torch.from_numpy(np.frombuffer(bytearray(range(41)), dtype=np.uint8, offset=1)).view(torch.uint8)
+    cases = [
+        # a, a gap of 2, b, c side by side: one cat of 4 inputs; d apart (a hole before it): its own copy
+        ([Piece(a, 0, 6, 0), Piece(b, 0, 4, 8), Piece(c, 0, 8, 12), Piece(d, 0, 2, 30)], [(6, 2)], [4]),
+        # two spans split by a hole: two cats
+        ([Piece(a, 0, 6, 0), Piece(b, 0, 4, 6), Piece(c, 0, 8, 20), Piece(d, 0, 2, 28)], [], [2, 2]),
+    ]
+    for pieces, gaps, expected in cases:
+        by_torch = poisoned(40, torch.float32)
+        by_kernels = poisoned(40, torch.float32)
+        cats.clear()
+        make_plan(by_torch, pieces, gaps, tuning=Tuning(torch_pieces=16)).launch()
+        assert cats == expected, (cats, expected)
+        make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
+        assert torch.equal(bits(by_torch), bits(by_kernels))
+    # bytes at an odd address between word-aligned neighbours: not joined (the two others are not side by side
+    # any more), each copied alone; the bits still land
+    dst = torch.zeros(40, dtype=torch.uint8)
+    cats.clear()
+    pieces = [Piece(odd, 0, 8, 0), Piece(unaligned, 0, 8, 8), Piece(odd, 8, 8, 16)]
+    make_plan(dst, pieces, tuning=Tuning(torch_pieces=16)).launch()
+    assert cats == [] and unaligned.data_ptr() % 2 == 1
+    assert dst[:24].tolist() == odd[:8].tolist() + unaligned[:8].tolist() + odd[8:16].tolist()
+
+
+def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch):
+    """A gap joins a cat as a view of one zero buffer, device memory beside dst: only gaps up to
+    Tuning.cat_gap_bytes do (pads); a longer one (the evict tier's evicted params, session 11's failing peak-memory
+    test) is zeroed apart and splits the span, so no buffer as long as it is allocated."""
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    cats, zeros_made = [], []
+    real_cat, real_zeros = torch.cat, torch.zeros
+    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real_cat(inputs, **kw))[1])
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: (zeros_made.append(a), real_zeros(*a, **kw))[1])
+    gen = torch.Generator().manual_seed(11)
+    a, b, c = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8))
+    for gap, expected_cats in ((4, [4]), (5, [2])):  # 16 bytes join; 20 bytes (over the limit below) do not
+        pieces = [Piece(a, 0, 6, 0), Piece(b, 0, 4, 6 + gap), Piece(c, 0, 8, 10 + gap)]
+        by_torch, by_kernels = poisoned(18 + gap, torch.float32), poisoned(18 + gap, torch.float32)
+        cats.clear()
+        zeros_made.clear()
+        plan = make_plan(by_torch, pieces, [(6, gap)], tuning=Tuning(torch_pieces=16, cat_gap_bytes=16))
+        assert cats == [] and len(plan.fills) == (gap == 5)
+        plan.launch()
+        assert cats == expected_cats and len(zeros_made) == (gap == 4), (gap, cats, zeros_made)
+        make_plan(by_kernels, pieces, [(6, gap)], tuning=Tuning(torch_pieces=0)).launch()
+        assert torch.equal(bits(by_torch), bits(by_kernels))
