@@ -1009,3 +1009,31 @@ def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch):
         assert cats == expected_cats and len(zeros_made) == (gap == 4), (gap, cats, zeros_made)
         make_plan(by_kernels, pieces, [(6, gap)], tuning=Tuning(torch_pieces=0)).launch()
         assert torch.equal(bits(by_torch), bits(by_kernels))
+
+
+def test_torch_copies_join_only_sources_on_dsts_device(monkeypatch):
+    """A run whose source is not on dst's device (a host source of a device dst: torch.cat would first move it to
+    the device whole) never joins a cat: it splits the span and is copied alone. On the CPU box every source is on
+    dst's device, so the run's flag is set here by hand."""
+    from ztriton.kernels import Piece, Tuning, make_plan
+
+    cats = []
+    real_cat, real_runs = torch.cat, plan_module._copy_runs
+    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real_cat(inputs, **kw))[1])
+
+    def second_run_elsewhere(*args):
+        runs = real_runs(*args)
+        runs.local[1] = False
+        return runs
+
+    monkeypatch.setattr(plan_module, "_copy_runs", second_run_elsewhere)
+    gen = torch.Generator().manual_seed(13)
+    a, b, c = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8))
+    pieces = [Piece(a, 0, 6, 0), Piece(b, 0, 4, 6), Piece(c, 0, 8, 10)]
+    by_torch, by_kernels = poisoned(18, torch.float32), poisoned(18, torch.float32)
+    plan = make_plan(by_torch, pieces, tuning=Tuning(torch_pieces=16))
+    assert len(plan.copies) == 3
+    plan.launch()
+    assert cats == []
+    make_plan(by_kernels, pieces, tuning=Tuning(torch_pieces=0)).launch()
+    assert torch.equal(bits(by_torch), bits(by_kernels))
