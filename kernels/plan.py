@@ -664,7 +664,7 @@ class Plan:
 
     @property
     def torch_copies(self) -> bool:
-        """Whether this plan copies with torch (copy_, _foreach_copy_, zero_) instead of launching kernels."""
+        """Whether this plan copies with torch (copy_, cat, _foreach_copy_, zero_) instead of launching kernels."""
         return bool(self.copies or self.cats or self.batches or self.fills)
 
     def launch(self) -> None:
@@ -991,16 +991,17 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 if run_now and len(batch[0]) >= tuning.batch_pieces:
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
-        cats = _cats(out, outs, joined, sources, n_runs, words) if joined else []
+        cats, zero = _cats(out, outs, joined, sources, n_runs, words) if joined else ([], None)
         fills = [outs[n_runs + g] for g in np.flatnonzero(alone[n_runs:]).tolist()]
         if run_now:
             Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
                  cats=cats).copy_with_torch()
             return Plan([], keep_alive, [], _launch_stream(dst))
     # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
-    # be written inside it again.
-    return Plan([], keep_alive, [], _launch_stream(dst), copies, list(batches.values()), fills, out.is_inference(),
-                zero_each, cats)
+    # be written inside it again. The zero buffer, made and filled on this stream, goes with the tables: a launch
+    # on another stream waits for it and keeps its memory from reuse until that stream has read it.
+    return Plan([], keep_alive, [] if zero is None else [zero], _launch_stream(dst), copies, list(batches.values()),
+                fills, out.is_inference(), zero_each, cats)
 
 
 def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_least: int) -> list[list[int]]:
@@ -1018,9 +1019,9 @@ def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_lea
 
 
 def _cats(out: torch.Tensor, outs: list, joined: list[list[int]], sources: dict, n_runs: int,
-          words: torch.dtype) -> list[tuple[torch.Tensor, list]]:
+          words: torch.dtype) -> tuple[list[tuple[torch.Tensor, list]], torch.Tensor | None]:
     """One ``(out view, inputs)`` per group of :func:`_joined`: its runs' source views and, for its gaps, views of
-    one zero buffer (as long as the longest gap), in dst order."""
+    one zero buffer (as long as the longest gap), in dst order; and that buffer (None without gaps)."""
     longest = max((outs[i].numel() for items in joined for i in items if i >= n_runs), default=0)
     zero = torch.zeros(longest, dtype=words, device=out.device) if longest else None
     cats = []
@@ -1030,7 +1031,7 @@ def _cats(out: torch.Tensor, outs: list, joined: list[list[int]], sources: dict,
         span = last.storage_offset() + last.numel() - first.storage_offset()
         inputs = [sources[i] if i < n_runs else zero.narrow(0, 0, outs[i].numel()) for i in items]
         cats.append((out.narrow(0, lo, span), inputs))
-    return cats
+    return cats, zero
 
 
 @dataclass

@@ -1005,6 +1005,8 @@ def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch):
         zeros_made.clear()
         plan = make_plan(by_torch, pieces, [(6, gap)], tuning=Tuning(torch_pieces=16, cat_gap_bytes=16))
         assert cats == [] and len(plan.fills) == (gap == 5)
+        # the zero buffer goes with the tables: a launch on another stream waits for it and keeps it alive
+        assert [t.numel() for t in plan.tables] == ([2] if gap == 4 else []), plan.tables
         plan.launch()
         assert cats == expected_cats and len(zeros_made) == (gap == 4), (gap, cats, zeros_made)
         make_plan(by_kernels, pieces, [(6, gap)], tuning=Tuning(torch_pieces=0)).launch()
