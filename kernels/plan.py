@@ -942,11 +942,12 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     whatever its shape, and bits move unchanged (bool bytes other than 0 and 1, NaN payloads, fp4 pairs, which
     torch would convert, canonicalise or refuse as their own dtypes). Runs and gaps that follow one another in
     dst (``Tuning.cat_items`` or more, every run word-aligned and on dst's device, every gap short:
-    ``Tuning.cat_gap_bytes``) are written by one ``torch.cat(out=)`` of their sources and of a zero buffer's views. Of the others, a piece of ``Tuning.own_copy_bytes`` or more gets a
+    ``Tuning.cat_gap_bytes``) are written by one ``torch.cat(out=)`` of their sources and of a zero buffer's
+    views, into one view of their span. Of the others, a piece of ``Tuning.own_copy_bytes`` or more gets a
     ``copy_`` of its own, the rest ``torch._foreach_copy_`` per word width, the gaps one ``torch._foreach_zero_``;
     up to ``Tuning.foreach_from`` of them, each its own ``copy_`` (``zero_``). The views are made, and later
-    written, without autograd (so no ``detach`` per source). Where the pieces and gaps cover dst (a pack, a
-    partition) one ``split`` cuts all of dst's views; a source copied whole needs no ``narrow``. ``run_now``: each
+    written, without autograd (so no ``detach`` per source). Where those pieces and gaps tile a span of dst one
+    ``split`` cuts all their views; a source copied whole needs no ``narrow``. ``run_now``: each
     own copy is issued as soon as its views exist, a ``_foreach_copy_`` as soon as ``Tuning.batch_pieces`` pieces
     of its width are ready, the rest at the end, in the mode the views were made in; nothing is left to launch.
     """
@@ -970,13 +971,17 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     if int(alone[:n_runs].sum()) <= tuning.foreach_from:
         own[:] = True
     zero_each = int(alone[n_runs:].sum()) <= tuning.foreach_from
+    alone_runs, alone_gaps = np.flatnonzero(alone[:n_runs]), np.flatnonzero(alone[n_runs:])
     with _torch_turn() if run_now else nullcontext(), torch.no_grad():
         out = _bytes(dst).view(words)
-        outs = _cut(out, list(zip((runs.offset // word).tolist(), (runs.nbytes // word).tolist())),
-                    [(offset // word, count // word) for offset, count in gaps.tolist()])
+        # dst's views only for what is copied or zeroed alone: a cat writes one view of its whole span.
+        outs = _cut(out, list(zip((runs.offset[alone_runs] // word).tolist(),
+                                  (runs.nbytes[alone_runs] // word).tolist())),
+                    [(offset // word, count // word) for offset, count in gaps[alone_gaps].tolist()])
+        into_of = dict(zip(alone_runs.tolist(), outs))
         copies, batches, sources = [], {}, {}
-        for r, into in enumerate(outs[:n_runs]):
-            view, into = runs.views(r, into, words if aligned[r] else torch.uint8)
+        for r in range(n_runs):
+            view, into = runs.views(r, into_of.get(r), words if aligned[r] else torch.uint8)
             if not alone[r]:
                 sources[r] = view
             elif own[r]:
@@ -991,8 +996,9 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 if run_now and len(batch[0]) >= tuning.batch_pieces:
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
-        cats, zero = _cats(out, outs, joined, sources, n_runs, words) if joined else ([], None)
-        fills = [outs[n_runs + g] for g in np.flatnonzero(alone[n_runs:]).tolist()]
+        cats, zero = _cats(out, joined, sources, np.concatenate([runs.offset, gaps[:, 0]]) // word,
+                           np.concatenate([runs.nbytes, gaps[:, 1]]) // word, n_runs, words) if joined else ([], None)
+        fills = outs[len(alone_runs):]
         if run_now:
             Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
                  cats=cats).copy_with_torch()
@@ -1018,19 +1024,17 @@ def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_lea
     return [order[h:e].tolist() for h, e in zip(heads.tolist(), ends.tolist()) if e - h >= max(at_least, 2)]
 
 
-def _cats(out: torch.Tensor, outs: list, joined: list[list[int]], sources: dict, n_runs: int,
-          words: torch.dtype) -> tuple[list[tuple[torch.Tensor, list]], torch.Tensor | None]:
-    """One ``(out view, inputs)`` per group of :func:`_joined`: its runs' source views and, for its gaps, views of
-    one zero buffer (as long as the longest gap), in dst order; and that buffer (None without gaps)."""
-    longest = max((outs[i].numel() for items in joined for i in items if i >= n_runs), default=0)
+def _cats(out: torch.Tensor, joined: list[list[int]], sources: dict, offset: np.ndarray, count: np.ndarray,
+          n_runs: int, words: torch.dtype) -> tuple[list[tuple[torch.Tensor, list]], torch.Tensor | None]:
+    """One ``(out view, inputs)`` per group of :func:`_joined` (items' ``offset`` and ``count`` in elements of
+    ``out``, runs first, then gaps): its runs' source views and, for its gaps, views of one zero buffer (as long as
+    the longest gap), in dst order; and that buffer (None without gaps)."""
+    longest = max((int(count[i]) for items in joined for i in items if i >= n_runs), default=0)
     zero = torch.zeros(longest, dtype=words, device=out.device) if longest else None
     cats = []
     for items in joined:
-        first, last = outs[items[0]], outs[items[-1]]
-        lo = first.storage_offset() - out.storage_offset()
-        span = last.storage_offset() + last.numel() - first.storage_offset()
-        inputs = [sources[i] if i < n_runs else zero.narrow(0, 0, outs[i].numel()) for i in items]
-        cats.append((out.narrow(0, lo, span), inputs))
+        inputs = [sources[i] if i < n_runs else zero.narrow(0, 0, int(count[i])) for i in items]
+        cats.append((out.narrow(0, int(offset[items[0]]), int(count[items].sum())), inputs))
     return cats, zero
 
 
@@ -1058,8 +1062,8 @@ class _CopyRuns:
         in_storage = np.where(self.alone, (self.source_words | self.start) % word == 0, self.first % word == 0)
         return in_storage & (self.address % word == 0)
 
-    def views(self, r: int, into: torch.Tensor, words: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``r``'s source bytes and ``into`` (its part of dst), both as ``words``."""
+    def views(self, r: int, into: torch.Tensor | None, words: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``r``'s source bytes and ``into`` (its part of dst; None: not wanted), both as ``words``."""
         src = self.sources[r]
         view = src if src.dim() == 1 else src.view(-1)
         unit = words.itemsize
@@ -1067,7 +1071,7 @@ class _CopyRuns:
             view = view.view(torch.uint8).as_strided((int(self.nbytes[r]),), (1,), int(self.first[r]))
         if view.dtype != words:
             view = view.view(words)
-        if into.dtype != words:
+        if into is not None and into.dtype != words:
             into = into.view(words)
         if self.alone[r] and not self.whole[r]:
             view = view.narrow(0, int(self.start[r]) // unit, int(self.nbytes[r]) // unit)
