@@ -432,6 +432,8 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
                     cat_items=data.draw(st.sampled_from([0, 2, 3, Tuning().cat_items])))
     torch_plan = make_plan(by_torch, pieces, gaps, tuning=tuning)
     assert not torch_plan.launches, "a few contiguous pieces should not launch a kernel"
+    for out, inputs in torch_plan.cats:  # torch.cat would promote mixed dtypes: values, not bits, would move
+        assert {t.dtype for t in inputs} == {out.dtype} and sum(t.numel() for t in inputs) == out.numel()
     torch_plan.launch()
     make_plan(by_kernels, pieces, gaps, tuning=Tuning(torch_pieces=0)).launch()
     assert torch.equal(bits(by_torch), bits(by_kernels))
