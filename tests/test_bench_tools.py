@@ -1,0 +1,43 @@
+"""The bench's own tools that other figures rest on: ``bench/trace_calls.py`` (session 11's fresh-process call
+trees)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+
+@pytest.fixture
+def tiny_modules(monkeypatch):
+    """Two modules: ``b`` imports ``a``'s function by name (``from a import leaf``), as the library's modules do."""
+    a = types.ModuleType("tiny_a")
+    exec("import time\n"
+         "def leaf():\n    time.sleep(0.002)\n    return 1\n"
+         "class Box:\n    def method(self):\n        return leaf() + 1\n", a.__dict__)
+    b = types.ModuleType("tiny_b")
+    b.leaf = a.leaf
+    exec("def top(n):\n    return sum(leaf() for _ in range(n))\n", b.__dict__)
+    for module in (a, b):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return a, b
+
+
+def test_traced_builds_the_call_tree_and_puts_everything_back(tiny_modules):
+    from bench.trace_calls import traced
+
+    a, b = tiny_modules
+    originals = (a.leaf, b.leaf, a.Box.method)
+    with traced(["tiny_a", "tiny_b"], extra=("tiny_a.time.sleep",)) as calls:
+        assert b.top(3) == 3 and a.Box().method() == 2
+    found = calls.as_dict()
+    assert found["tiny_b.top"]["calls"] == 1
+    assert found["tiny_b.top > tiny_a.leaf"]["calls"] == 3  # b's own name for a's function is traced too
+    assert found["tiny_b.top > tiny_a.leaf > tiny_a.time.sleep"]["calls"] == 3
+    assert found["tiny_a.Box.method > tiny_a.leaf"]["calls"] == 1
+    assert found["tiny_b.top"]["ms"] >= found["tiny_b.top > tiny_a.leaf"]["ms"] >= 3 * 2.0
+    lines = calls.lines(min_ms=0.0)
+    assert lines[0].endswith("tiny_b.top  x1") and "tiny_a.leaf  x3" in lines[1]  # parents first, children indented
+    assert (a.leaf, b.leaf, a.Box.method) == originals
+    import time
+    assert a.time.sleep is time.sleep and not hasattr(time.sleep, "__wrapped__")
