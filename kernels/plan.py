@@ -961,8 +961,10 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     words = _INT_OF_WIDTH[word]
     aligned = runs.aligned_to(word)
     n_runs = len(runs.sources)
+    # The items a cat may join, in bytes of dst: the runs, then the gaps.
+    item_offset, item_nbytes = np.concatenate([runs.offset, gaps[:, 0]]), np.concatenate([runs.nbytes, gaps[:, 1]])
     # Only sources on dst's device join a cat (torch.cat would move a host source to the device first, whole).
-    joined = _joined(np.concatenate([runs.offset, gaps[:, 0]]), np.concatenate([runs.nbytes, gaps[:, 1]]),
+    joined = _joined(item_offset, item_nbytes,
                      np.concatenate([aligned & runs.local, gaps[:, 1] <= tuning.cat_gap_bytes]), tuning.cat_items)
     alone = np.ones(n_runs + len(gaps), dtype=bool)
     for items in joined:
@@ -996,8 +998,8 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 if run_now and len(batch[0]) >= tuning.batch_pieces:
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
-        cats, zero = _cats(out, joined, sources, np.concatenate([runs.offset, gaps[:, 0]]) // word,
-                           np.concatenate([runs.nbytes, gaps[:, 1]]) // word, n_runs, words) if joined else ([], None)
+        cats, zero = _cats(out, joined, sources, item_offset // word, item_nbytes // word, n_runs, words) \
+            if joined else ([], None)
         fills = outs[len(alone_runs):]
         if run_now:
             Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
