@@ -948,7 +948,15 @@ def test_torch_copies_one_per_piece_and_zero_per_gap_up_to_foreach_from(monkeypa
         assert torch.equal(bits(flat), bits(expected))
 
 
-def test_torch_copies_join_pieces_side_by_side_in_one_cat(monkeypatch):
+@pytest.fixture
+def cat_calls(monkeypatch) -> list[int]:
+    """The number of inputs of each torch.cat call made while the test runs (torch's route joins runs with it)."""
+    calls, real = [], torch.cat
+    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (calls.append(len(inputs)), real(inputs, **kw))[1])
+    return calls
+
+
+def test_torch_copies_join_pieces_side_by_side_in_one_cat(cat_calls):
     """Pieces and gaps that tile a span of dst go through one torch.cat(out=) of their sources and zeros (one call of
     host time for all of them: session 11's fresh-process flatten); a piece whose source is not word-aligned breaks
     the span (its bytes cannot share the cat's integer words), a piece apart from the others is copied alone. The
@@ -957,9 +965,7 @@ def test_torch_copies_join_pieces_side_by_side_in_one_cat(monkeypatch):
 
     from ztriton.kernels import Piece, Tuning, make_plan
 
-    cats = []
-    real = torch.cat
-    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real(inputs, **kw))[1])
+    cats = cat_calls
     gen = torch.Generator().manual_seed(9)
     a, b, c, d = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8, 2))
     odd = torch.from_numpy(np.frombuffer(bytearray(41), dtype=np.uint8, offset=1).copy())  # a word-aligned copy
@@ -988,15 +994,14 @@ def test_torch_copies_join_pieces_side_by_side_in_one_cat(monkeypatch):
     assert dst[:24].tolist() == odd[:8].tolist() + unaligned[:8].tolist() + odd[8:16].tolist()
 
 
-def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch):
+def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch, cat_calls):
     """A gap joins a cat as a view of one zero buffer, device memory beside dst: only gaps up to
     Tuning.cat_gap_bytes do (pads); a longer one (the evict tier's evicted params, session 11's failing peak-memory
     test) is zeroed apart and splits the span, so no buffer as long as it is allocated."""
     from ztriton.kernels import Piece, Tuning, make_plan
 
-    cats, zeros_made = [], []
-    real_cat, real_zeros = torch.cat, torch.zeros
-    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real_cat(inputs, **kw))[1])
+    cats, zeros_made = cat_calls, []
+    real_zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, **kw: (zeros_made.append(a), real_zeros(*a, **kw))[1])
     gen = torch.Generator().manual_seed(11)
     a, b, c = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8))
@@ -1015,15 +1020,13 @@ def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch):
         assert torch.equal(bits(by_torch), bits(by_kernels))
 
 
-def test_torch_copies_join_only_sources_on_dsts_device(monkeypatch):
+def test_torch_copies_join_only_sources_on_dsts_device(monkeypatch, cat_calls):
     """A run whose source is not on dst's device (a host source of a device dst: torch.cat would first move it to
     the device whole) never joins a cat: it splits the span and is copied alone. On the CPU box every source is on
     dst's device, so the run's flag is set here by hand."""
     from ztriton.kernels import Piece, Tuning, make_plan
 
-    cats = []
-    real_cat, real_runs = torch.cat, plan_module._copy_runs
-    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (cats.append(len(inputs)), real_cat(inputs, **kw))[1])
+    cats, real_runs = cat_calls, plan_module._copy_runs
 
     def second_run_elsewhere(*args):
         runs = real_runs(*args)
