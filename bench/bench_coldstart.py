@@ -123,11 +123,12 @@ def _timed_flattens(out: dict, sync):
         DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = installed
 
 
-# What ``--trace`` follows: every module a ZeRO-2 flatten or a ZeRO-3 defragment passes through.
+# What ``--trace`` follows: every module a ZeRO-2 flatten or a ZeRO-3 defragment passes through (not
+# ztriton.kernels.copy: importing it imports triton, which changes what a fresh process's step pays).
 TRACED_MODULES = ["ztriton.integrations.deepspeed.optimizers", "ztriton.integrations.deepspeed.report",
                   "ztriton.flatten.groups", "ztriton.flatten.tiers", "ztriton.defragmenting", "ztriton.comm",
                   "ztriton.memory", "ztriton.policy", "ztriton.layout", "ztriton.staging", "ztriton.kernels",
-                  "ztriton.kernels.ops", "ztriton.kernels.turns", "ztriton.kernels.plan"]  # not .copy: it imports triton
+                  "ztriton.kernels.ops", "ztriton.kernels.turns", "ztriton.kernels.plan"]
 # torch's calls the flatten's torch route makes, each the first in a fresh process (kernel loading, first dispatch).
 TRACED_TORCH = ("torch._foreach_copy_", "torch._foreach_zero_", "torch.Tensor.copy_", "torch.Tensor.zero_",
                 "torch.Tensor.split", "torch.Tensor.view", "torch.Tensor.as_strided", "torch.Tensor.narrow",
@@ -177,12 +178,14 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("ztriton").addHandler(handler)
     logging.getLogger("ztriton").setLevel(logging.INFO)
-    spent = {} if flatten_steps and backend.startswith("triton") else None
+    key_on = backend.startswith("triton")  # only ztriton's steps are wrapped or traced
+    spent = {} if flatten_steps and key_on else None
+    calls = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulated_world(world, rank))
         if spent is not None:
             stack.enter_context(_flatten_steps(spent))
-        if trace and backend.startswith("triton"):
+        if trace and key_on:
             from bench.trace_calls import traced
 
             calls = stack.enter_context(traced(TRACED_MODULES, TRACED_TORCH))
@@ -207,7 +210,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     out["ztriton_lines"] = lines
     if spent is not None:
         out["flatten_steps_ms"] = spent
-    if trace and backend.startswith("triton"):
+    if calls is not None:
         out["trace"] = calls.lines(min_ms=0.5)
     return out
 
