@@ -12,9 +12,10 @@
 #   split them):
 #   setup (the set-up alone), tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the
 #   fresh-process cells), warm (the warm-process benchmarks of issue 15: flatten device tier, defragment probe,
-#   kernels' single-call figures), paths (probe_copy_paths: which copy a warm-process flatten should take), tiers (the flatten's evict and host
-#   tiers and the defragment's evict tier against the pinned-copy floor), turns (probe_turns: whether a copy in
-#   turns overlaps, and the flatten's host profile; the demo's agreements timed part by part).
+#   kernels' single-call figures), paths (probe_copy_paths: which copy a warm-process flatten should take),
+#   tiers (the flatten's evict and host tiers and the defragment's evict tier against the pinned-copy floor),
+#   turns (probe_turns: whether a copy in turns overlaps, and the flatten's host profile; the demo's agreements
+#   timed part by part).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [setup] [tests] [demo] [zero2] [zero3] [warm] [paths] [tiers] [turns]}
 shift
