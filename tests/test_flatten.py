@@ -422,6 +422,31 @@ def test_torch_path_used_without_interpreter(caplog):
     assert "packing with torch" in caplog.text
 
 
+@pytest.mark.parametrize("tier", ["device", "evict", "host"])
+def test_repoint_false_leaves_every_param_holding_its_values_for_the_caller(tier):
+    """``repoint=False`` (the DeepSpeed hook: its optimizer re-points every param itself right after): the
+    buffer's bytes are those of a re-pointing call; on the device tier every param keeps its own memory, on
+    the tiers that make room each keeps its values in a host copy, so nothing is lost before the caller
+    re-points it into the buffer."""
+    generator = torch.Generator().manual_seed(3)
+    values = [torch.randn(s, generator=generator).bfloat16() for s in [(7, 5), (3,), (16, 9), (2, 2, 2)]]
+    results = {}
+    for repoint in (True, False):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        before = [(bits(p).clone(), p.data_ptr()) for p in params]
+        with _memory(0):
+            (fg,) = ztriton.flatten_groups([params], tier=tier, headroom_bytes=0, repoint=repoint)
+        results[repoint] = bits(fg.flat).clone()
+        assert fg.tier is Tier(tier)
+        for p, (held, ptr) in zip(params, before):
+            assert torch.equal(bits(p), held)
+            in_flat = p.untyped_storage().data_ptr() == fg.flat.untyped_storage().data_ptr()
+            assert in_flat is repoint
+            if not repoint and tier == "device":
+                assert p.data_ptr() == ptr  # untouched
+    assert torch.equal(results[True], results[False])
+
+
 def test_decision_is_logged(caplog):
     params = [torch.nn.Parameter(torch.ones(4))]
     with caplog.at_level("INFO", logger="ztriton"):

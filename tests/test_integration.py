@@ -270,6 +270,69 @@ def test_training_key_on_matches_key_off(fake_world, caplog, stage, dtype):
         assert torch.equal(a, b)
 
 
+def _zero2_engine(device: str = "cpu"):
+    model = TinyNet().to(device=device, dtype=torch.bfloat16)
+    return deepspeed.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                                config=config("triton", stage=2))[0]
+
+
+def test_zero2_flatten_leaves_repointing_to_deepspeed_and_says_its_line_once_it_is_done(fake_world, caplog,
+                                                                                        monkeypatch):
+    """DeepSpeed re-points every param into the flat buffer right after the flatten
+    (``_update_model_bit16_weights``), so the hook does not do it first; the group's line comes once the
+    optimizer is built (its copies done by then), still naming the hook's function."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import ztriton.flatten
+
+    asked, update = [], DeepSpeedZeroOptimizer._update_model_bit16_weights
+    real_flatten = ztriton.flatten.flatten_groups
+    monkeypatch.setattr(ztriton.flatten, "flatten_groups",
+                        lambda *a, **k: asked.append(k.get("repoint", True)) or real_flatten(*a, **k))
+
+    def update_then_mark(self, index):
+        update(self, index)
+        logging.getLogger("ztriton").info("test: DeepSpeed re-pointed group %d", index)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_update_model_bit16_weights", update_then_mark)
+    with fake_world(1, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        engine = _zero2_engine()
+        flat = engine.optimizer.bit16_groups_flat[0]
+        for param in engine.module.parameters():
+            assert param.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        engine.destroy()
+    assert asked == [False]
+    said = [r for r in caplog.records if "re-pointed group 0" in r.getMessage() or "ZeRO-1/2 flatten" in r.getMessage()]
+    assert [r.getMessage().split(",")[0] for r in said] == ["test: DeepSpeed re-pointed group 0",
+                                                           "ztriton: ZeRO-1/2 flatten"]
+    assert said[1].funcName == "zero12_flatten" and said[1].filename.endswith("optimizers.py")
+
+
+@pytest.mark.gpu
+def test_zero2_flatten_on_the_device_waits_for_nothing(fake_world, caplog, monkeypatch):
+    """The hook's flatten returns with the copies still running, as DeepSpeed's torch.cat does: the host goes
+    on with DeepSpeed's next steps meanwhile. Its line's time comes from events on the stream."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    inside, waits = [], []
+    hooked, synchronize = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned, torch.cuda.synchronize
+
+    def flatten_spy(self, *args, **kwargs):
+        inside.append(True)
+        try:
+            return hooked(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", flatten_spy)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append(bool(inside)) or synchronize(*a, **k))
+    with fake_world(1, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+        _zero2_engine("cuda").destroy()
+    assert True not in waits
+    (line,) = [r.getMessage() for r in caplog.records if "ZeRO-1/2 flatten, group 0: tier=device" in r.getMessage()]
+    assert " in 0.0 ms" not in line and "peak device n/a" not in line, line
+
+
 def _train_both(rank, world_size, stage, under_init):
     return train(stage, torch.bfloat16, "torch", under_init=under_init), \
         train(stage, torch.bfloat16, "triton", under_init=under_init)

@@ -165,21 +165,25 @@ def _stat(stats: dict, name: str, which: str = "current") -> int:
     return stats.get(name, {}).get("all", {}).get(which, 0)
 
 
-def measure_peak(fn: Callable[[], Any]) -> tuple[Any, float, int]:
-    """Run ``fn`` once: its result, wall seconds (device synchronised), and the peak device bytes
-    allocated above what was allocated before the call (0 without CUDA)."""
+def measure_peak(fn: Callable[[], Any], *, synchronize: bool = True) -> tuple[Any, float, int]:
+    """Run ``fn`` once: its result, wall seconds (device synchronised before and after; with
+    ``synchronize=False`` the host's seconds, the device's work possibly still queued), and the peak device
+    bytes allocated above what was allocated before the call (0 without CUDA). The peak needs no
+    synchronisation: the allocator counts on the host, when an allocation is asked for."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - start, 0
     # The allocator's figures from its nested stats dict: memory_allocated and max_memory_allocated each
     # flatten the whole dict first (~0.1 ms apiece, a fifth of a small zero.Init step's own work).
-    torch.cuda.synchronize()
+    if synchronize:
+        torch.cuda.synchronize()
     base = _stat(torch.cuda.memory_stats_as_nested_dict(), "allocated_bytes")
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    if synchronize:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return out, seconds, _stat(torch.cuda.memory_stats_as_nested_dict(), "allocated_bytes", "peak") - base
 

@@ -50,7 +50,7 @@ class FlatGroup:
 
     ``flat`` is the detached 1-D flat buffer (DeepSpeed's ``bit16_groups_flat[i]``); ``params`` are
     the group's participating params (trainable, non-empty) in flat order, each now a view of
-    ``flat``; ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
+    ``flat`` (unless :func:`flatten_groups` was told ``repoint=False``); ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
     is the tier that built the buffer (``None`` for a group with nothing to flatten, whose ``flat``
     is empty) and ``decision`` the policy's choice with the figures it was made from.
     """
@@ -92,7 +92,8 @@ class FlatGroup:
 
 def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robin: bool = False,
                    parameter_alignment: bool = False, tier: Tier | str | None = None,
-                   headroom_bytes: int | None = None, chunk_bytes: int | None = None) -> list[FlatGroup]:
+                   headroom_bytes: int | None = None, chunk_bytes: int | None = None,
+                   repoint: bool = True) -> list[FlatGroup]:
     """Flatten every param group into one flat buffer laid out as DeepSpeed 0.19.8's ZeRO-1/2 optimizer does.
 
     ``param_groups``: torch-optimizer style dicts with a ``"params"`` entry (e.g. ``optimizer.param_groups``)
@@ -108,7 +109,10 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
 
     ``tier`` forces a tier ("device", "distributed", "evict", "host"); by default each group's tier
     is chosen from measured free memory minus ``headroom_bytes`` (default 1 GiB) and logged.
-    ``chunk_bytes`` sizes host-to-device copies (default: from free memory).
+    ``chunk_bytes`` sizes host-to-device copies (default: from free memory). ``repoint=False`` leaves the
+    re-pointing to the caller, for one that does it anyway right after (DeepSpeed's optimizer re-points every
+    param into the buffer it gets back): the params then keep their ``.data`` where the tier left it, their
+    own memory (device tier) or a host copy of their values (the other tiers), until the caller re-points them.
 
     Raises ``TypeError``/``ValueError`` before anything moves on bad input: mixed dtypes or devices
     within a group's participating params, params that share memory (tied weights listed twice,
@@ -127,7 +131,7 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
     # Checked before the first param moves, not before the first pack: the device tier's pack only reads
     # the params into a new buffer, and the check (a walk over every param) then runs while it copies.
     no_shared_memory = _Once(lambda: _check_no_shared_memory(groups, lists))
-    return [_flatten_group(g, world, forced, options, no_shared_memory) for g in groups]
+    return [_flatten_group(g, world, forced, options, no_shared_memory, repoint) for g in groups]
 
 
 class _Once:
@@ -306,14 +310,14 @@ def _runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options,
-                   before_moving: Callable[[], None]) -> FlatGroup:
+                   before_moving: Callable[[], None], repoint: bool) -> FlatGroup:
     """One group through its tiers. With W > 1 every rank agrees on the outcome before the next group
     (whose first step is a collective): a rank that failed must not leave the others waiting in it."""
     if not g.params:
         logger.info("ztriton flatten group %d: no trainable non-empty params, empty flat buffer", g.index)
         flat = torch.empty(0, dtype=g.dtype, device=g.device)
         return FlatGroup(flat, (), g.layout, None, world.rank)
-    outcome = agree(world, lambda: _build(g, world, forced, options, before_moving))
+    outcome = agree(world, lambda: _build(g, world, forced, options, before_moving, repoint))
     if outcome.ok:
         return outcome.value
     if outcome.error is not None:
@@ -324,10 +328,10 @@ def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options
 
 
 def _build(g: Group, world: World, forced: Tier | None, options: Options,
-           before_moving: Callable[[], None]) -> FlatGroup:
+           before_moving: Callable[[], None], repoint: bool) -> FlatGroup:
     """The group's tiers in the policy's order; ``before_moving`` (the input checks that only guard the
     params themselves) runs before a tier that moves params, or after the device tier's pack and before
-    the params are re-pointed."""
+    the params are re-pointed (``repoint``; else the caller re-points them)."""
     start = time.perf_counter()
     step = agree(world, lambda: memory.probe_memory(g.device))
     if not step.ok:
@@ -359,7 +363,9 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
                              f"{where}")
             raise
         before_moving()  # after the device tier: the params are untouched, the new buffer is dropped
-        _alias(g, flat)
+        if repoint:
+            _alias(g, flat)
+        g.evicted.clear()  # a param in host memory holds its values there until the caller re-points it
         logger.info("ztriton flatten group %d: %d params, %s flattened by tier %s in %.2f s", g.index,
                     len(g.params), format_bytes(g.nbytes), tier.value, time.perf_counter() - start)
         return FlatGroup(flat, tuple(g.params), g.layout, tier, world.rank, decision)
@@ -383,7 +389,6 @@ def _alias(g: Group, flat: torch.Tensor) -> None:
         # `.data =`, as DeepSpeed does: unlike set_ it leaves the version counter alone, so a graph built
         # before the flatten still backpropagates. It runs while the pack's kernels copy.
         p.data = flat.as_strided(shape, stride, base + offset)
-    g.evicted.clear()
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

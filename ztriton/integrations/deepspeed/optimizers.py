@@ -43,17 +43,20 @@ def zero12_init(original, self, *args, **kwargs):
     report.banner("partition_backend='triton': the ZeRO-1/2 optimizer's init-time flatten goes through "
                   "ztriton.flatten_groups")
     spoof = STATE.spoof_free_memory.set(True)
-    flattening = STATE.flattening.set((self, settings))
+    summaries: list = []  # each group's line, said once the optimizer is built: its copies are done by then
+    flattening = STATE.flattening.set((self, settings, summaries))
     try:
         original(self, *args, **kwargs)
     finally:
         STATE.flattening.reset(flattening)
         STATE.spoof_free_memory.reset(spoof)
+        for say in summaries:
+            say()
 
 
 def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
     """``DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned``."""
-    owner, settings = STATE.flattening.get() or (None, None)
+    owner, settings, summaries = STATE.flattening.get() or (None, None, None)
     # Only the init-time call passes param_padding; step() and checkpoint loading stay DeepSpeed's.
     if owner is not self or use_cpu_data or param_padding is None:
         return original(self, tensor_list, alignment, use_cpu_data, param_padding)
@@ -66,12 +69,14 @@ def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, p
     from ztriton.flatten import flatten_groups  # on first use (triton only for a launch)
 
     options = settings.options
-    (flat,), seconds, peak = report.timed(lambda: flatten_groups(
+    # DeepSpeed re-points every param into the buffer right after (_update_model_bit16_weights), and goes on
+    # with host work while the copies run: no re-pointing here, and nothing waits for the device.
+    (flat,), clock, peak = report.timed_on_stream(lambda: flatten_groups(
         [tensor_list], group, parameter_alignment=self.parameter_alignment, headroom_bytes=options.headroom_bytes,
-        chunk_bytes=options.chunk_bytes))
-    report.step_summary(f"ZeRO-1/2 flatten, group {index}", tier=flat.tier,
-                        nbytes=flat.flat.numel() * flat.flat.element_size(), seconds=seconds, peak_bytes=peak,
-                        params=len(tensor_list))
+        chunk_bytes=options.chunk_bytes, repoint=False), tensor_list[0].device)
+    summaries.append(report.summary_later(f"ZeRO-1/2 flatten, group {index}", clock, tier=flat.tier,
+                                          nbytes=flat.flat.numel() * flat.flat.element_size(), peak_bytes=peak,
+                                          params=len(tensor_list)))
     return flat.flat
 
 

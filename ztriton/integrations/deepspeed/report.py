@@ -2,7 +2,8 @@
 
 * :func:`banner` -- one line when ``"partition_backend": "triton"`` takes effect somewhere (once per
   process and message), :func:`step_summary` -- one line per step (what moved, tier, bytes, time,
-  peak), :func:`warn_once` -- a warning about the config, once per process and message.
+  peak; :func:`summary_later` for a step timed on the device's stream, said once its caller is done),
+  :func:`warn_once` -- a warning about the config, once per process and message.
 * :func:`progress` -- a tqdm bar for long work (a loader over many GiB, host tiers).
 
 Every line goes to rank 0 only, through DeepSpeed's logger (``deepspeed.utils.logger``, its
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, Callable
 
 from ztriton.memory import format_bytes, measure_peak
 from ztriton.progress import Bar, bar
 
-__all__ = ["banner", "format_seconds", "progress", "step_summary", "timed", "warn_once"]
+__all__ = ["StreamClock", "banner", "format_seconds", "progress", "step_summary", "summary_later", "timed",
+           "timed_on_stream", "warn_once"]
 
 _said: set[str] = set()  # banners and warnings already logged by this process
 
@@ -38,17 +41,26 @@ def _deepspeed_logger() -> logging.Logger:
     return logger
 
 
-def _emit(level: int, message: str, stacklevel: int) -> None:
+def _caller(stacklevel: int) -> tuple[str, int, str]:
+    """The file, line and function ``stacklevel`` frames above the caller: where a line says it comes from."""
+    frame = sys._getframe(stacklevel + 1)
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _emit(level: int, message: str, stacklevel: int, where: tuple[str, int, str] | None = None) -> None:
     """Hand ``message`` to DeepSpeed's logger's handlers as a record at ``level``, attributed to the
-    caller ``stacklevel`` frames up (so the line names the ztriton function that did the work). The
-    ``ztriton`` logger gets it too (marked ``ztriton_report``), so that its log is complete."""
-    logging.getLogger("ztriton").log(level, message, extra={"ztriton_report": True}, stacklevel=stacklevel + 1)
+    caller ``stacklevel`` frames up (so the line names the ztriton function that did the work), or to
+    ``where`` (:func:`_caller`'s, kept for a line said later). The ``ztriton`` logger gets it too
+    (marked ``ztriton_report``), so that its log is complete."""
+    where = where or _caller(stacklevel)
+    ztriton_logger = logging.getLogger("ztriton")
+    if ztriton_logger.isEnabledFor(level):
+        ztriton_logger.handle(ztriton_logger.makeRecord(ztriton_logger.name, level, *where[:2], message, (), None,
+                                                        where[2], extra={"ztriton_report": True}))
     logger = _deepspeed_logger()
     if not logger.isEnabledFor(max(level, logging.WARNING)):
         return  # the user silenced DeepSpeed (and with it, us)
-    frame = sys._getframe(stacklevel)
-    record = logger.makeRecord(logger.name, level, frame.f_code.co_filename, frame.f_lineno, message, (), None,
-                               frame.f_code.co_name)
+    record = logger.makeRecord(logger.name, level, where[0], where[1], message, (), None, where[2])
     if level >= logger.getEffectiveLevel() or not logger.handlers:
         logger.handle(record)
     else:  # DeepSpeed's default level (WARNING) hides INFO records: its handlers show ours all the same
@@ -77,10 +89,11 @@ def format_seconds(seconds: float) -> str:
 
 
 def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float, peak_bytes: int | None,
-                 **extra: Any) -> str:
+                 where: tuple[str, int, str] | None = None, **extra: Any) -> str:
     """One INFO line on rank 0 for one step of work: what moved (``step``), the tier or path it took, how
     many bytes, how long, the peak device memory above the step's start (None: not measured, e.g. on the
-    CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it."""
+    CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it.
+    The line names its caller as where it comes from, or ``where`` (a line said later: :func:`summary_later`)."""
     tier = getattr(tier, "value", tier)  # an enum (ztriton.policy.Tier) reads as its name
     rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
     peak = "n/a" if peak_bytes is None else format_bytes(peak_bytes)
@@ -88,8 +101,15 @@ def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float, pe
     line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {format_seconds(seconds)}{rate}, "
             f"peak device {peak}{details}")
     if _is_rank0():
-        _emit(logging.INFO, line, stacklevel=2)
+        _emit(logging.INFO, line, stacklevel=2, where=where)
     return line
+
+
+def summary_later(step: str, clock: StreamClock, **fields: Any) -> Callable[[], str]:
+    """:func:`step_summary` of a step whose device work may still be running: the line, attributed to the
+    caller, is said when the returned function is called, with the seconds ``clock`` then reads."""
+    where = _caller(1)
+    return lambda: step_summary(step, seconds=clock.seconds(), where=where, **fields)
 
 
 def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
@@ -100,6 +120,50 @@ def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
 
     out, seconds, peak = measure_peak(work)
     return out, seconds, peak if torch.cuda.is_available() else None
+
+
+class StreamClock:
+    """How long work took on a device's current stream, read without making the host wait for it: an event
+    before and one after the work, :meth:`seconds` waiting only when asked (by then the work is long done, in
+    its caller's next steps). Without CUDA, or where the events cannot be read, the host's seconds."""
+
+    def __init__(self, device):
+        import torch
+
+        self._events = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record(torch.cuda.current_stream(device))
+            self._device = device
+        self._start, self._host = time.perf_counter(), None
+
+    def stop(self) -> None:
+        import torch
+
+        self._host = time.perf_counter() - self._start
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self._device))
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            try:
+                self._events[1].synchronize()
+                return self._events[0].elapsed_time(self._events[1]) / 1e3
+            except RuntimeError:  # a device error since: its own exception says so; the line keeps the host's
+                pass
+        return self._host
+
+
+def timed_on_stream(work: Callable[[], Any], device) -> tuple[Any, StreamClock, int | None]:
+    """``work()``, a :class:`StreamClock` of it on ``device`` and the peak device memory it added, all without
+    synchronising: a caller that goes on with more host work lets the device's copies run under it, as
+    DeepSpeed's own ``torch.cat`` does."""
+    import torch
+
+    clock = StreamClock(device)
+    out, _, peak = measure_peak(work, synchronize=False)
+    clock.stop()
+    return out, clock, peak if torch.cuda.is_available() else None
 
 
 def progress(total_bytes: int, desc: str, *, force: bool | None = None) -> Bar:

@@ -43,7 +43,8 @@ class HookState:
     # Settings of the engine whose ZeRO optimizer is being constructed (None outside that construction).
     building_optimizer: contextvars.ContextVar = field(
         default_factory=lambda: contextvars.ContextVar("ztriton_optimizer", default=None))
-    # The ZeRO-1/2 optimizer whose init-time flatten goes through ztriton, with its settings.
+    # The ZeRO-1/2 optimizer whose init-time flatten goes through ztriton, with its settings and the list of
+    # its groups' summary lines, said once it is built.
     flattening: contextvars.ContextVar = field(
         default_factory=lambda: contextvars.ContextVar("ztriton_flattening", default=None))
     spoof_free_memory: contextvars.ContextVar = field(
