@@ -981,12 +981,10 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                                   (runs.nbytes[alone_runs] // word).tolist())),
                     [(offset // word, count // word) for offset, count in gaps[alone_gaps].tolist()])
         into_of = dict(zip(alone_runs.tolist(), outs))
-        copies, batches, sources = [], {}, {}
-        for r in range(n_runs):
-            view, into = runs.views(r, into_of.get(r), words if aligned[r] else torch.uint8)
-            if not alone[r]:
-                sources[r] = view
-            elif own[r]:
+        copies, batches = [], {}
+        for r in alone_runs.tolist():
+            view, into = runs.views(r, into_of[r], words if aligned[r] else torch.uint8)
+            if own[r]:
                 if run_now:
                     into.copy_(view)
                 else:
@@ -998,6 +996,8 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                 if run_now and len(batch[0]) >= tuning.batch_pieces:
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
+        # (after the lone copies: under run_now the device starts on them while these views are made)
+        sources = runs.joined_views(np.flatnonzero(~alone[:n_runs]), aligned, words)
         cats, zero = _cats(out, joined, sources, item_offset // word, item_nbytes // word, n_runs, words) \
             if joined else ([], None)
         fills = outs[len(alone_runs):]
@@ -1078,6 +1078,22 @@ class _CopyRuns:
         if self.alone[r] and not self.whole[r]:
             view = view.narrow(0, int(self.start[r]) // unit, int(self.nbytes[r]) // unit)
         return view, into
+
+
+    def joined_views(self, joined: np.ndarray, aligned: np.ndarray, words: torch.dtype) -> dict[int, torch.Tensor]:
+        """The source views of the runs a cat joins, by run: a whole source (a flatten's every param) in one
+        pass of at most two views each (hundreds of them, each a few microseconds of a fresh process's host),
+        the others through :meth:`views`."""
+        plain = (self.whole & aligned)[joined].tolist()
+        views = {}
+        for r, is_plain in zip(joined.tolist(), plain):
+            if is_plain:
+                src = self.sources[r]
+                view = src if src.dim() == 1 else src.view(-1)
+                views[r] = view if view.dtype == words else view.view(words)
+            else:
+                views[r] = self.views(r, None, words if aligned[r] else torch.uint8)[0]
+        return views
 
 
 def _copy_runs(every: list, live: np.ndarray, srcs: _Sources, width: int) -> _CopyRuns:
