@@ -631,18 +631,13 @@ class Tuning:
     # Runs (and gaps) that follow one another in dst, at least this many, are written by one torch.cat(out=) of
     # their sources (and zeros) instead of a copy_ / _foreach_copy_ each: one call of host time for any number of
     # pieces, which a fresh process's flatten is bound by (session 11: 602 copy_ took 14 ms there against
-    # DeepSpeed's 7.5 ms torch.cat). 0: never.
+    # DeepSpeed's 7.5 ms torch.cat). 0: never. The cat moves integer words: in bf16 a span of more than 2^31
+    # elements makes torch.cat copy each input with a memcpy in a C++ loop (DeepSpeed's path), which was slower
+    # (s12c: the LLM mix's pack 12.2 ms on a second call against 8.2-8.6 ms on int64 words; DeepSpeed 6.3-6.7).
     cat_items: int = 2
     # A gap joins such a cat (as a view of one zero buffer) only up to this many bytes: the buffer is device memory
     # beside dst, so a long gap (the evict tier's evicted params) is zeroed apart instead. Pads are a few elements.
     cat_gap_bytes: int = 64 << 10
-    # A cat whose span holds at least this many of dst's elements moves them in dst's own dtype (when every source
-    # it joins is whole and of that dtype), not as integer words: torch.cat on CUDA then copies its inputs with
-    # one cudaMemcpyAsync each in a C++ loop, as its output has more elements than a 32-bit index reaches (torch's
-    # cat_out_cuda, canUse32BitIndexMath); that is DeepSpeed's own flatten of a large model in bf16. On 8-byte
-    # words the same span has a quarter of the elements and takes torch's batched cat kernel, which was the
-    # slower (s11i: our pack of the LLM mix 13.3 ms on a second call, DeepSpeed's torch.cat 6.5 ms).
-    cat_native_elements: int = 1 << 31
 
 
 # Launch the kernels whatever the pieces (the kernel tests and benchmarks, the warm-up).
@@ -1004,11 +999,9 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
                     torch._foreach_copy_(*batch)
                     del batches[view.dtype]
         # (after the lone copies: under run_now the device starts on them while these views are made)
-        cat_words = _cat_dtype(dst, joined, runs, item_nbytes, words, tuning.cat_native_elements)
-        unit = cat_words.itemsize
-        sources = runs.joined_views(np.flatnonzero(~alone[:n_runs]), aligned, cat_words)
-        cats, zero = _cats(out if cat_words == words else _bytes(dst).view(cat_words), joined, sources,
-                           item_offset // unit, item_nbytes // unit, n_runs, cat_words) if joined else ([], None)
+        sources = runs.joined_views(np.flatnonzero(~alone[:n_runs]), aligned, words)
+        cats, zero = _cats(out, joined, sources, item_offset // word, item_nbytes // word, n_runs, words) \
+            if joined else ([], None)
         fills = outs[len(alone_runs):]
         if run_now:
             Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
@@ -1019,28 +1012,6 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     # on another stream waits for it and keeps its memory from reuse until that stream has read it.
     return Plan([], keep_alive, [] if zero is None else [zero], _launch_stream(dst), copies, list(batches.values()),
                 fills, out.is_inference(), zero_each, cats)
-
-
-# dtypes whose torch.cat moves bits unchanged (its kernel copies opaque words of the element's size, the memcpy
-# path bytes); the others (bool, fp8, fp4 pairs, complex) always go as integer words.
-_NATIVE_CAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
-                         torch.int32, torch.int64, torch.uint8})
-
-
-def _cat_dtype(dst: torch.Tensor, joined: list[list[int]], runs: "_CopyRuns", item_nbytes: np.ndarray,
-               words: torch.dtype, native_from: int) -> torch.dtype:
-    """The dtype the cats move: dst's own when a cat's span holds at least ``native_from`` of its elements
-    (``Tuning.cat_native_elements``) and every joined run is a whole source of that dtype; else ``words``."""
-    if not joined or dst.dtype not in _NATIVE_CAT:
-        return words
-    longest = max(int(item_nbytes[items].sum()) for items in joined) // dst.element_size()
-    if longest < native_from:
-        return words
-    n_runs = len(runs.sources)
-    members = [r for items in joined for r in items if r < n_runs]
-    if all(runs.whole[members]) and all(runs.sources[r].dtype == dst.dtype for r in members):
-        return dst.dtype
-    return words
 
 
 def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_least: int) -> list[list[int]]:

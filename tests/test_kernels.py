@@ -428,10 +428,8 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
     # own_copy_bytes get a copy_ each, the rest share a _foreach_copy_ per word width, but only where more than
     # foreach_from are left (the gaps likewise: a zero_ each or one _foreach_zero_).
     own = data.draw(st.sampled_from([1, 24, Tuning().own_copy_bytes]))
-    # A cat of at least cat_native_elements moves dst's own dtype where every source it joins is whole.
     tuning = Tuning(own_copy_bytes=own, foreach_from=data.draw(st.sampled_from([0, 2, Tuning().foreach_from])),
-                    cat_items=data.draw(st.sampled_from([0, 2, 3, Tuning().cat_items])),
-                    cat_native_elements=data.draw(st.sampled_from([1, 12, Tuning().cat_native_elements])))
+                    cat_items=data.draw(st.sampled_from([0, 2, 3, Tuning().cat_items])))
     torch_plan = make_plan(by_torch, pieces, gaps, tuning=tuning)
     assert not torch_plan.launches, "a few contiguous pieces should not launch a kernel"
     for out, inputs in torch_plan.cats:  # torch.cat would promote mixed dtypes: values, not bits, would move
@@ -994,30 +992,6 @@ def test_torch_copies_join_pieces_side_by_side_in_one_cat(cat_calls):
     make_plan(dst, pieces, tuning=Tuning(torch_pieces=16)).launch()
     assert cats == [] and unaligned.data_ptr() % 2 == 1
     assert dst[:24].tolist() == odd[:8].tolist() + unaligned[:8].tolist() + odd[8:16].tolist()
-
-
-def test_torch_copies_move_long_cats_in_dsts_own_dtype_when_every_source_is_whole(monkeypatch):
-    """A cat whose span holds at least Tuning.cat_native_elements of dst's elements moves them in dst's dtype (on
-    CUDA, torch then copies each input with a memcpy, as DeepSpeed's own flatten of a large model does), when every
-    source it joins is whole; otherwise, and for shorter spans, as integer words. The bits are the kernels'."""
-    from ztriton.kernels import Piece, Tuning, make_plan
-
-    dtypes, real = [], torch.cat
-    monkeypatch.setattr(torch, "cat", lambda inputs, **kw: (dtypes.append({t.dtype for t in inputs}),
-                                                            real(inputs, **kw))[1])
-    gen = torch.Generator().manual_seed(4)
-    a, b, c = (random_tensor([n], torch.bfloat16, gen) for n in (8, 4, 12))
-    whole = [Piece(a, 0, 8, 0), Piece(b.view(2, 2), 0, 4, 8), Piece(c, 0, 12, 12)]
-    sliced = whole[:2] + [Piece(c, 4, 8, 12)]
-    for pieces, native_from, expected in ((whole, 26, torch.bfloat16), (whole, 27, torch.int32),
-                                          (sliced, 1, torch.int32)):
-        dst, reference = poisoned(26, torch.bfloat16), poisoned(26, torch.bfloat16)
-        dtypes.clear()
-        # a span of 26 elements: the three pieces and the gap (int32 words: dst holds 52 bytes)
-        make_plan(dst, pieces, [(24, 2)], tuning=Tuning(torch_pieces=16, cat_native_elements=native_from)).launch()
-        assert dtypes == [{expected}], (native_from, dtypes)
-        make_plan(reference, pieces, [(24, 2)], tuning=Tuning(torch_pieces=0)).launch()
-        assert torch.equal(bits(dst), bits(reference))
 
 
 def test_torch_copies_join_only_short_gaps_into_a_cat(monkeypatch, cat_calls):
