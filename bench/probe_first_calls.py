@@ -4,7 +4,9 @@ built on the device (as ``bench_coldstart.py``'s ZeRO-2 cell builds it), timed o
     python bench/probe_first_calls.py [--repeats 2] [--ways ds-cat pack] [--out bench/results/first_calls.json]
 
 Ways: ``ds-cat`` (DeepSpeed's flatten: ``torch.cat`` of every param), ``pack`` (``ztriton.kernels.pack`` of
-every param into a fresh buffer, on torch's route: no kernel loaded), and the 400 small params of the mix copied
+every param into a fresh buffer, on torch's route: no kernel loaded), ``pack-precat`` (the same after one tiny
+``torch.cat(out=)`` of 200 int64 tensors on the device, untimed: whether loading torch's cat kernel is what the
+pack's first call pays beyond its second), and the 400 small params of the mix copied
 by ``foreach-int64`` (``_foreach_copy_`` of 8-byte-word views in batches of 64, as torch's route does),
 ``foreach-native`` (the same in bf16) and ``copy-each`` (one ``copy_`` each: contiguous same-dtype copies are
 ``cudaMemcpyAsync``, so no kernel to load). Session 11 found ``_foreach_copy_`` taking 14-36 ms in a fresh
@@ -22,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-WAYS = ("ds-cat", "pack", "foreach-int64", "foreach-native", "copy-each")
+WAYS = ("ds-cat", "pack", "pack-precat", "foreach-int64", "foreach-native", "copy-each")
 
 
 def _small_copy(way: str, sources, dst) -> None:
@@ -52,6 +54,10 @@ def run_way(way: str) -> dict:
     import gc
 
     gc.collect()  # a full collection (0.1-0.2 s in this process) must not land inside a timed call
+    if way == "pack-precat":
+        tiny = [torch.zeros(16, dtype=torch.int64, device="cuda") for _ in range(200)]
+        torch.cat(tiny, out=torch.empty(16 * 200, dtype=torch.int64, device="cuda"))
+        torch.cuda.synchronize()
     times = []
     for _ in range(2):
         start = time.perf_counter()
@@ -60,7 +66,7 @@ def run_way(way: str) -> dict:
                 from torch._utils import _flatten_dense_tensors
 
                 out = _flatten_dense_tensors(params)
-            elif way == "pack":
+            elif way in ("pack", "pack-precat"):
                 from ztriton.kernels import pack
 
                 numels = [p.numel() for p in params]
