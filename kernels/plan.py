@@ -953,6 +953,57 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     own copy is issued as soon as its views exist, a ``_foreach_copy_`` as soon as ``Tuning.batch_pieces`` pieces
     of its width are ready, the rest at the end, in the mode the views were made in; nothing is left to launch.
     """
+    route = _route(dst, pieces, srcs, zeros, tuning)
+    runs, word, words = route.runs, route.word, route.words
+    with _torch_turn() if run_now else nullcontext(), torch.no_grad():
+        out = _bytes(dst).view(words)
+        # dst's views only for what is copied or zeroed alone: a cat writes one view of its whole span.
+        outs = _cut(out, list(zip((runs.offset[route.alone_runs] // word).tolist(),
+                                  (runs.nbytes[route.alone_runs] // word).tolist())),
+                    [(offset // word, count // word) for offset, count in route.gaps[route.alone_gaps].tolist()])
+        copies, batches = _lone_copies(route, outs, tuning.batch_pieces, run_now)
+        # (after the lone copies: under run_now the device starts on them while these views are made)
+        sources = runs.joined_views(route.joined_runs, route.aligned, words)
+        cats, zero = _cats(out, route.joined, sources, route.item_offset // word, route.item_nbytes // word,
+                           len(runs.sources), words) if route.joined else ([], None)
+        fills = outs[len(route.alone_runs):]
+        if run_now:
+            Plan([], keep_alive, [], None, [], batches, fills, zero_each=route.zero_each,
+                 cats=cats).copy_with_torch()
+            return Plan([], keep_alive, [], _launch_stream(dst))
+    # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
+    # be written inside it again. The zero buffer, made and filled on this stream, goes with the tables: a launch
+    # on another stream waits for it and keeps its memory from reuse until that stream has read it.
+    return Plan([], keep_alive, [] if zero is None else [zero], _launch_stream(dst), copies, batches,
+                fills, out.is_inference(), route.zero_each, cats)
+
+
+@dataclass
+class _Route:
+    """How torch's route moves a plan's runs and gaps (:func:`_route`): all in bytes of dst, runs first, then gaps."""
+
+    runs: _CopyRuns
+    gaps: np.ndarray  # [n, 2]: offset, bytes
+    word: int  # the widest integer word every destination range is aligned to
+    words: torch.dtype  # the integer dtype of that width
+    aligned: np.ndarray  # per run: its source can be viewed as words too (else it moves as bytes)
+    item_offset: np.ndarray  # the runs' and gaps' offsets, as one column
+    item_nbytes: np.ndarray
+    joined: list[list[int]]  # items that one torch.cat each writes (:func:`_joined`)
+    alone_runs: np.ndarray  # runs copied alone
+    alone_gaps: np.ndarray  # gaps zeroed alone
+    own: np.ndarray  # per run: its own copy_ if alone (else a _foreach_copy_ batch)
+    zero_each: bool  # the lone gaps: a zero_ each (else one _foreach_zero_)
+
+    @property
+    def joined_runs(self) -> np.ndarray:
+        n_runs = len(self.runs.sources)
+        return np.array([i for items in self.joined for i in items if i < n_runs], dtype=np.int64)
+
+
+def _route(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources, zeros: np.ndarray, tuning: Tuning) -> _Route:
+    """Decide :func:`_torch_copy_plan`'s route (no tensor is made here): the runs, the word, which items a cat
+    joins and how the others are copied or zeroed."""
     width = dst.element_size()
     live = np.flatnonzero(srcs.count > 0)
     gaps = zeros[zeros[:, 1] > 0] * width
@@ -960,10 +1011,8 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     # dst's views must be whole words of its storage, and (for _foreach_copy_'s vector loads) at word addresses.
     word = _common_word(np.concatenate([runs.offset, runs.nbytes, gaps.reshape(-1),
                                        [dst.storage_offset() * width, dst.numel() * width, dst.data_ptr()]]))
-    words = _INT_OF_WIDTH[word]
     aligned = runs.aligned_to(word)
     n_runs = len(runs.sources)
-    # The items a cat may join, in bytes of dst: the runs, then the gaps.
     item_offset, item_nbytes = np.concatenate([runs.offset, gaps[:, 0]]), np.concatenate([runs.nbytes, gaps[:, 1]])
     # Only sources on dst's device join a cat (torch.cat would move a host source to the device first, whole).
     joined = _joined(item_offset, item_nbytes,
@@ -974,44 +1023,32 @@ def _torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: _Sources,
     own = runs.nbytes >= tuning.own_copy_bytes
     if int(alone[:n_runs].sum()) <= tuning.foreach_from:
         own[:] = True
-    zero_each = int(alone[n_runs:].sum()) <= tuning.foreach_from
-    alone_runs, alone_gaps = np.flatnonzero(alone[:n_runs]), np.flatnonzero(alone[n_runs:])
-    with _torch_turn() if run_now else nullcontext(), torch.no_grad():
-        out = _bytes(dst).view(words)
-        # dst's views only for what is copied or zeroed alone: a cat writes one view of its whole span.
-        outs = _cut(out, list(zip((runs.offset[alone_runs] // word).tolist(),
-                                  (runs.nbytes[alone_runs] // word).tolist())),
-                    [(offset // word, count // word) for offset, count in gaps[alone_gaps].tolist()])
-        into_of = dict(zip(alone_runs.tolist(), outs))
-        copies, batches = [], {}
-        for r in alone_runs.tolist():
-            view, into = runs.views(r, into_of[r], words if aligned[r] else torch.uint8)
-            if own[r]:
-                if run_now:
-                    into.copy_(view)
-                else:
-                    copies.append((into, view))
+    return _Route(runs, gaps, word, _INT_OF_WIDTH[word], aligned, item_offset, item_nbytes, joined,
+                  np.flatnonzero(alone[:n_runs]), np.flatnonzero(alone[n_runs:]), own,
+                  int(alone[n_runs:].sum()) <= tuning.foreach_from)
+
+
+def _lone_copies(route: _Route, outs: list[torch.Tensor], batch_pieces: int, run_now: bool
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[list, list]]]:
+    """The runs copied alone (``outs``: their views of dst, in :attr:`_Route.alone_runs`' order): each own copy
+    ``(into, view)``, and the ``_foreach_copy_`` batches per word width. ``run_now``: an own copy is issued at
+    once, a batch as soon as it holds ``batch_pieces``; what is returned is what is left to issue."""
+    copies, batches = [], {}
+    for r, into in zip(route.alone_runs.tolist(), outs):
+        view, into = route.runs.views(r, into, route.words if route.aligned[r] else torch.uint8)
+        if route.own[r]:
+            if run_now:
+                into.copy_(view)
             else:
-                batch = batches.setdefault(view.dtype, ([], []))
-                batch[0].append(into)
-                batch[1].append(view)
-                if run_now and len(batch[0]) >= tuning.batch_pieces:
-                    torch._foreach_copy_(*batch)
-                    del batches[view.dtype]
-        # (after the lone copies: under run_now the device starts on them while these views are made)
-        sources = runs.joined_views(np.flatnonzero(~alone[:n_runs]), aligned, words)
-        cats, zero = _cats(out, joined, sources, item_offset // word, item_nbytes // word, n_runs, words) \
-            if joined else ([], None)
-        fills = outs[len(alone_runs):]
-        if run_now:
-            Plan([], keep_alive, [], None, [], list(batches.values()), fills, zero_each=zero_each,
-                 cats=cats).copy_with_torch()
-            return Plan([], keep_alive, [], _launch_stream(dst))
-    # Views made in inference mode are inference tensors even of a normal dst: launched outside it, they must
-    # be written inside it again. The zero buffer, made and filled on this stream, goes with the tables: a launch
-    # on another stream waits for it and keeps its memory from reuse until that stream has read it.
-    return Plan([], keep_alive, [] if zero is None else [zero], _launch_stream(dst), copies, list(batches.values()),
-                fills, out.is_inference(), zero_each, cats)
+                copies.append((into, view))
+        else:
+            batch = batches.setdefault(view.dtype, ([], []))
+            batch[0].append(into)
+            batch[1].append(view)
+            if run_now and len(batch[0]) >= batch_pieces:
+                torch._foreach_copy_(*batch)
+                del batches[view.dtype]
+    return copies, list(batches.values())
 
 
 def _joined(offset: np.ndarray, nbytes: np.ndarray, joinable: np.ndarray, at_least: int) -> list[list[int]]:
