@@ -309,6 +309,58 @@ def test_zero2_flatten_leaves_repointing_to_deepspeed_and_says_its_line_once_it_
     assert said[1].funcName == "zero12_flatten" and said[1].filename.endswith("optimizers.py")
 
 
+def test_zero2_flatten_lines_never_replace_deepspeeds_own_error(fake_world, monkeypatch, caplog):
+    """The groups' lines are said in a ``finally`` once the optimizer is built or has failed: a log handler
+    that raises there is reported at debug level, so DeepSpeed's own exception is the one the user sees (and a
+    build that succeeded does not fail on a log line)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def broken_filter(record):
+        if "ZeRO-1/2 flatten" in record.getMessage():
+            raise ValueError("a broken log filter")
+        return True
+
+    def fails(self, index):
+        raise RuntimeError("DeepSpeed failed after the flatten")
+
+    logger = logging.getLogger("ztriton")
+    logger.addFilter(broken_filter)
+    try:
+        with fake_world(1, 0), caplog.at_level(logging.INFO, logger="ztriton"):
+            _zero2_engine().destroy()  # the line fails; the build does not
+            monkeypatch.setattr(DeepSpeedZeroOptimizer, "_update_model_bit16_weights", fails)
+            with pytest.raises(RuntimeError, match="DeepSpeed failed after the flatten"):
+                _zero2_engine()
+    finally:
+        logger.removeFilter(broken_filter)
+
+
+def test_stream_clock_takes_the_longer_of_host_and_stream_and_says_when_it_cannot_tell():
+    class Events:
+        def __init__(self, ms=None):
+            self.ms = ms
+
+        def synchronize(self):
+            if self.ms is None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def elapsed_time(self, end):
+            return end.ms
+
+    clock = report.StreamClock(torch.device("cpu"))
+    clock.stop()
+    host = clock.seconds()
+    assert host is not None and host >= 0
+    clock._events = (Events(), Events(ms=5e3))  # the stream's 5 s, longer than the host's
+    assert clock.seconds() == 5.0
+    clock._events = (Events(), Events(ms=0.0))  # the stream reached the work when it was done: the host's
+    assert clock.seconds() == host
+    clock._events = (Events(), Events())  # a device error since
+    assert clock.seconds() is None
+    line = report.step_summary("a step", tier="device", nbytes=1 << 30, seconds=None, peak_bytes=None)
+    assert "1.00 GiB in n/a, peak device n/a" in line and "GB/s" not in line
+
+
 @pytest.mark.gpu
 def test_zero2_flatten_on_the_device_waits_for_nothing(fake_world, caplog, monkeypatch):
     """The hook's flatten returns with the copies still running, as DeepSpeed's torch.cat does: the host goes

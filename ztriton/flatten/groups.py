@@ -50,7 +50,7 @@ class FlatGroup:
 
     ``flat`` is the detached 1-D flat buffer (DeepSpeed's ``bit16_groups_flat[i]``); ``params`` are
     the group's participating params (trainable, non-empty) in flat order, each now a view of
-    ``flat`` (unless :func:`flatten_groups` was told ``repoint=False``); ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
+    ``flat`` (unless :func:`flatten_groups` was told ``repoint=False`` and the device tier built it); ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
     is the tier that built the buffer (``None`` for a group with nothing to flatten, whose ``flat``
     is empty) and ``decision`` the policy's choice with the figures it was made from.
     """
@@ -110,9 +110,11 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
     ``tier`` forces a tier ("device", "distributed", "evict", "host"); by default each group's tier
     is chosen from measured free memory minus ``headroom_bytes`` (default 1 GiB) and logged.
     ``chunk_bytes`` sizes host-to-device copies (default: from free memory). ``repoint=False`` leaves the
-    re-pointing to the caller, for one that does it anyway right after (DeepSpeed's optimizer re-points every
-    param into the buffer it gets back): the params then keep their ``.data`` where the tier left it, their
-    own memory (device tier) or a host copy of their values (the other tiers), until the caller re-points them.
+    re-pointing of a group built by the device tier to the caller, for one that does it anyway right after
+    (DeepSpeed's optimizer re-points every param into the buffer it gets back): those params keep their own
+    memory until then, so with several groups each group's params and buffer are both held until the caller
+    re-points (pass one group per call where memory is tight). The other tiers moved the params' values out
+    of their memory and re-point them whatever ``repoint`` says.
 
     Raises ``TypeError``/``ValueError`` before anything moves on bad input: mixed dtypes or devices
     within a group's participating params, params that share memory (tied weights listed twice,
@@ -363,9 +365,11 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
                              f"{where}")
             raise
         before_moving()  # after the device tier: the params are untouched, the new buffer is dropped
-        if repoint:
+        # Without repoint only the device tier leaves them: its params still hold their own memory. A tier that
+        # moved params away (host copies, a lent spill block) re-points them now, so that a caller that fails
+        # before its own re-pointing leaves no param in host memory.
+        if repoint or tier is not Tier.DEVICE:
             _alias(g, flat)
-        g.evicted.clear()  # a param in host memory holds its values there until the caller re-points it
         logger.info("ztriton flatten group %d: %d params, %s flattened by tier %s in %.2f s", g.index,
                     len(g.params), format_bytes(g.nbytes), tier.value, time.perf_counter() - start)
         return FlatGroup(flat, tuple(g.params), g.layout, tier, world.rank, decision)
@@ -389,6 +393,7 @@ def _alias(g: Group, flat: torch.Tensor) -> None:
         # `.data =`, as DeepSpeed does: unlike set_ it leaves the version counter alone, so a graph built
         # before the flatten still backpropagates. It runs while the pack's kernels copy.
         p.data = flat.as_strided(shape, stride, base + offset)
+    g.evicted.clear()
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -88,28 +88,38 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float, peak_bytes: int | None,
+def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float | None, peak_bytes: int | None,
                  where: tuple[str, int, str] | None = None, **extra: Any) -> str:
     """One INFO line on rank 0 for one step of work: what moved (``step``), the tier or path it took, how
-    many bytes, how long, the peak device memory above the step's start (None: not measured, e.g. on the
-    CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it.
+    many bytes, how long (None: not known), the peak device memory above the step's start (None: not measured,
+    e.g. on the CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it.
     The line names its caller as where it comes from, or ``where`` (a line said later: :func:`summary_later`)."""
     tier = getattr(tier, "value", tier)  # an enum (ztriton.policy.Tier) reads as its name
-    rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds > 0 and nbytes else ""
+    rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds and nbytes else ""
+    took = "n/a" if seconds is None else format_seconds(seconds)
     peak = "n/a" if peak_bytes is None else format_bytes(peak_bytes)
     details = "".join(f", {key}={value}" for key, value in extra.items())
-    line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {format_seconds(seconds)}{rate}, "
+    line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {took}{rate}, "
             f"peak device {peak}{details}")
     if _is_rank0():
         _emit(logging.INFO, line, stacklevel=2, where=where)
     return line
 
 
-def summary_later(step: str, clock: StreamClock, **fields: Any) -> Callable[[], str]:
+def summary_later(step: str, clock: StreamClock, **fields: Any) -> Callable[[], None]:
     """:func:`step_summary` of a step whose device work may still be running: the line, attributed to the
-    caller, is said when the returned function is called, with the seconds ``clock`` then reads."""
+    caller, is said when the returned function is called, with the seconds ``clock`` then reads. Called from a
+    ``finally``, it raises nothing (a failing log handler is reported at debug level): a log line must not
+    replace the caller's own exception, nor fail a step that succeeded."""
     where = _caller(1)
-    return lambda: step_summary(step, seconds=clock.seconds(), where=where, **fields)
+
+    def say() -> None:
+        try:
+            step_summary(step, seconds=clock.seconds(), where=where, **fields)
+        except Exception as exc:  # noqa: BLE001 -- see the docstring
+            logging.getLogger("ztriton").debug("ztriton: the line of %r could not be logged (%s)", step, exc)
+
+    return say
 
 
 def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
@@ -123,9 +133,12 @@ def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
 
 
 class StreamClock:
-    """How long work took on a device's current stream, read without making the host wait for it: an event
-    before and one after the work, :meth:`seconds` waiting only when asked (by then the work is long done, in
-    its caller's next steps). Without CUDA, or where the events cannot be read, the host's seconds."""
+    """How long work took, read without making the host wait for the device: an event before and one after the
+    work on the device's current stream, :meth:`seconds` waiting only when asked (by then the work is long done,
+    in its caller's next steps). The seconds are the longer of the host's (the call) and the events' (from
+    where the stream reached the work to its last copy): the events alone would leave out the host's share when
+    earlier work kept the stream busy. Without CUDA the host's; None where the events cannot be read (a device
+    error since: its own exception says so)."""
 
     def __init__(self, device):
         import torch
@@ -144,14 +157,14 @@ class StreamClock:
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self._device))
 
-    def seconds(self) -> float:
-        if self._events is not None:
-            try:
-                self._events[1].synchronize()
-                return self._events[0].elapsed_time(self._events[1]) / 1e3
-            except RuntimeError:  # a device error since: its own exception says so; the line keeps the host's
-                pass
-        return self._host
+    def seconds(self) -> float | None:
+        if self._events is None:
+            return self._host
+        try:
+            self._events[1].synchronize()
+            return max(self._host, self._events[0].elapsed_time(self._events[1]) / 1e3)
+        except RuntimeError:
+            return None
 
 
 def timed_on_stream(work: Callable[[], Any], device) -> tuple[Any, StreamClock, int | None]:
