@@ -12,6 +12,9 @@ kernel is loaded on a device, copies of contiguous pieces on it go through torch
 microseconds a piece, no waiting: ``plan.BEFORE_LOAD_PIECES``); a launch that needs the kernel (strided
 sources, thousands of pieces) waits for the thread instead of loading the kernel twice.
 
+:func:`load_torch_cat_in_background` does the same for torch's own cat kernel, which torch's route (the copies
+made before the copy kernel loads) launches for pieces side by side.
+
 The thread never picks a device on its own: creating a CUDA context on the wrong GPU would cost that
 GPU memory on every rank. The caller names the device, or the thread is not started.
 """
@@ -28,23 +31,27 @@ from .ops import pack_plan
 from . import plan
 from .plan import KERNELS_ONLY, WARMING
 
-__all__ = ["warm_up", "warm_up_in_background"]
+__all__ = ["load_torch_cat_in_background", "warm_up", "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
 _lock = threading.Lock()
 _requested: set[int] = set()  # devices a warm-up was started for, once per process
+_cat_started: dict[int, threading.Thread] = {}  # devices torch's cat kernel is loaded on (or being), once each
 _threads: list[threading.Thread] = []  # every warm-up started, for the wait at exit
+# Inputs of the tiny cat that loads torch's kernel: as many as a batch of a flatten's cat (torch picks its kernel
+# by the inputs' count, alignment and contiguity), 16 int64 words each.
+_CAT_INPUTS = 200
 # At exit, wait at most this long for a warm-up still loading (a cold compile takes seconds).
 _EXIT_WAIT_S = 60.0
 
 
-def warm_up(device: torch.device) -> None:
-    """Launch the 16-byte-word copy once on ``device`` (a CUDA device) and wait for it."""
+def warm_up(device: torch.device, work=None) -> None:
+    """Launch the 16-byte-word copy (or ``work(device)``) once on ``device`` (a CUDA device) and wait for it."""
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)  # its own: waiting for it never waits for other threads' work
         with torch.cuda.stream(stream):
-            _copy_once(device)
+            (work or _copy_once)(device)
         stream.synchronize()
 
 
@@ -79,10 +86,47 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
                                   daemon=True)
         thread.start()  # may raise (no threads left): then nothing is registered and launches never wait
         WARMING[device.index] = thread  # launches on this device wait for it once (plan._await_warm_up)
-        if not _threads:
-            atexit.register(_finish_at_exit)
-        _threads.append(thread)
+        _register_for_exit(thread)
     return thread
+
+
+def load_torch_cat_in_background(device: torch.device | int | str) -> threading.Thread | None:
+    """Load torch's cat kernel for integer words on ``device`` (an indexed CUDA device) in a daemon thread, once
+    per device and process; returns the thread, or None where there is nothing to load (not CUDA).
+
+    Before the copy kernel loads, torch's route writes pieces side by side with one ``torch.cat`` over integer
+    words (``plan.Tuning.cat_items``), and torch loads that CUDA kernel on its first launch: ~5 ms of a fresh
+    process's flatten of the LLM mix (``bench/results/first_calls_h200_s12d.json``: the pack's first call
+    19.5-23.4 ms, 13.7-17.1 ms after a tiny cat). Started when a ZeRO optimizer begins building, the thread loads
+    it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
+    real cat then loads the kernel, as without it."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if device.index is None:
+        raise ValueError("load_torch_cat_in_background needs an indexed CUDA device (cuda:N): the thread must not "
+                         "guess one")
+    with _lock:
+        if device.index in _cat_started:
+            return _cat_started[device.index]
+        thread = threading.Thread(target=_run, args=(device, _cat_once), name=f"ztriton-cat-cuda{device.index}",
+                                  daemon=True)
+        thread.start()
+        _cat_started[device.index] = thread
+        _register_for_exit(thread)
+    return thread
+
+
+def _cat_once(device: torch.device) -> None:
+    parts = [torch.zeros(16, dtype=torch.int64, device=device) for _ in range(_CAT_INPUTS)]
+    torch.cat(parts, out=torch.empty(16 * _CAT_INPUTS, dtype=torch.int64, device=device))
+
+
+def _register_for_exit(thread: threading.Thread) -> None:
+    """(under ``_lock``) ``thread`` is waited for at exit."""
+    if not _threads:
+        atexit.register(_finish_at_exit)
+    _threads.append(thread)
 
 
 def _finish_at_exit() -> None:
@@ -98,8 +142,8 @@ def _finish_at_exit() -> None:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _run(device: torch.device) -> None:
+def _run(device: torch.device, work=None) -> None:
     try:
-        warm_up(device)
+        warm_up(device, work)
     except Exception as exc:  # noqa: BLE001 -- best effort: the first real launch loads the kernel instead
         logger.debug("ztriton: kernel warm-up on %s failed (%s); the first copy loads the kernel instead", device, exc)

@@ -47,6 +47,7 @@ def fresh_warm_ups(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(plan, "interpreted", lambda: False)
     monkeypatch.setattr(warmup, "_requested", set())
+    monkeypatch.setattr(warmup, "_cat_started", {})
     monkeypatch.setattr(warmup, "_threads", [])
     monkeypatch.setattr(warmup.atexit, "register", registered.append)
     monkeypatch.setattr(plan, "WARMING", {})
@@ -225,7 +226,7 @@ def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch, fresh_warm_u
     ran = []
     gate = threading.Event()
 
-    def failing(device):
+    def failing(device, work=None):
         ran.append(device)
         gate.wait(5)
         raise RuntimeError("no driver")
@@ -239,6 +240,48 @@ def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch, fresh_warm_u
     assert not first.is_alive() and ran == [torch.device("cuda", 7)]
     with pytest.raises(ValueError, match="indexed CUDA device"):
         warmup.warm_up_in_background("cuda")
+
+
+def test_torch_cat_is_loaded_once_per_device_in_a_thread_waited_for_at_exit(monkeypatch, fresh_warm_ups):
+    """Torch's cat kernel (torch's route joins pieces side by side with it) loads in a daemon thread, once per
+    device; the thread is waited for at exit like the kernels' warm-up; no CUDA device, nothing to load."""
+    ran = []
+    monkeypatch.setattr(warmup, "warm_up", lambda device, work=None: ran.append((device, work)))
+    first = warmup.load_torch_cat_in_background(5)
+    assert warmup.load_torch_cat_in_background(torch.device("cuda", 5)) is first
+    first.join(5)
+    assert ran == [(torch.device("cuda", 5), warmup._cat_once)]
+    assert fresh_warm_ups == [warmup._finish_at_exit] and warmup._threads == [first]
+    assert warmup.load_torch_cat_in_background("cpu") is None
+    with pytest.raises(ValueError, match="indexed CUDA device"):
+        warmup.load_torch_cat_in_background("cuda")
+
+
+def test_the_key_loads_torch_cat_on_the_engines_device_only(monkeypatch):
+    """Under the key a ZeRO optimizer's construction starts the load on the engine's device (indexed CUDA);
+    a CPU or unindexed device starts nothing, and a thread that cannot start changes nothing else."""
+    from ztriton.integrations.deepspeed import optimizers
+
+    asked = []
+    monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)
+    for device in (torch.device("cpu"), torch.device("cuda"), "cuda:0", torch.device("cuda", 1)):
+        optimizers._load_torch_cat(device)
+    assert asked == [torch.device("cuda", 1)]
+
+    def no_threads(device):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(warmup, "load_torch_cat_in_background", no_threads)
+    optimizers._load_torch_cat(torch.device("cuda", 1))  # logged at debug level, not raised
+
+
+@pytest.mark.gpu
+def test_gpu_torch_cat_load_runs_on_the_device(caplog):
+    index = torch.cuda.current_device()
+    with caplog.at_level("DEBUG", logger="ztriton"):
+        thread = warmup.load_torch_cat_in_background(index)
+        thread.join(30)
+    assert not thread.is_alive() and "failed" not in caplog.text, caplog.text
 
 
 GPU_CHECK = """

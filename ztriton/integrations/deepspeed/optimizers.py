@@ -19,12 +19,31 @@ logger = logging.getLogger("ztriton")
 
 
 def engine_configure_zero_optimizer(original, self, *args, **kwargs):
-    """``DeepSpeedEngine._configure_zero_optimizer``: marks the optimizer's construction with the settings."""
-    token = STATE.building_optimizer.set(settings_from(self._config))
+    """``DeepSpeedEngine._configure_zero_optimizer``: marks the optimizer's construction with the settings, and
+    under the key starts loading torch's cat kernel on the engine's device meanwhile (the flatten's or the
+    defragment's copies use it before any ztriton kernel is loaded)."""
+    settings = settings_from(self._config)
+    if settings.triton:
+        _load_torch_cat(self.device)
+    token = STATE.building_optimizer.set(settings)
     try:
         return original(self, *args, **kwargs)
     finally:
         STATE.building_optimizer.reset(token)
+
+
+def _load_torch_cat(device) -> None:
+    """Best effort: a thread that cannot start changes nothing but the first cat's time."""
+    import torch
+
+    if not isinstance(device, torch.device) or device.type != "cuda" or device.index is None:
+        return
+    from ztriton.kernels.warmup import load_torch_cat_in_background
+
+    try:
+        load_torch_cat_in_background(device)
+    except RuntimeError as exc:  # threading's "can't start new thread"
+        logger.debug("ztriton: torch's cat kernel not preloaded (%s)", exc)
 
 
 def accelerator_available_memory(original, self, *args, **kwargs):
