@@ -4,6 +4,7 @@ filled by the previous process ("warm"), key off vs on.
     python bench/bench_coldstart.py [--world 8 --rank 3] [--out bench/results/coldstart_h200.json]
     python bench/bench_coldstart.py --smoke      # tiny mix on the CPU (kernels under the interpreter)
     python bench/bench_coldstart.py --steps zero2 --backends triton --flatten-steps   # where the flatten's time goes
+    python bench/bench_coldstart.py --steps zero2 --warm-repeats 10 --ab-tree DIR      # this tree against DIR's
 
 Cells (the 8.6 GiB LLM mix of ``bench.models.llm_mix``, bf16, simulated rank ``--rank`` of ``--world``):
 
@@ -39,6 +40,9 @@ sys.path.insert(0, str(ROOT))
 # {"warm_up_kernels": true}; the default until session 5, whose cells named the key on without it
 # "triton-nowarmup").
 BACKENDS = ("torch", "triton", "triton-warmup")
+# The key on, run from another checkout (``--ab-tree``): two trees' cells interleaved in one run, so that a code
+# change is compared on one host at one time (the host's speed drifts between batches by more than the change).
+AB_BACKEND = "triton@ab"
 
 
 def _config(backend: str, stage: int) -> dict:
@@ -208,6 +212,9 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
                 model=model, optimizer=optimizer, config=config))
     out["process_seconds"] = time.perf_counter() - STARTED
     out["ztriton_lines"] = lines
+    import ztriton.kernels  # (after the timed steps) which checkout this cell ran: --ab-tree's check
+
+    out["ztriton_from"] = [str(Path(m.__file__).resolve().parent.parent) for m in (ztriton, ztriton.kernels)]
     if spent is not None:
         out["flatten_steps_ms"] = spent
     if calls is not None:
@@ -217,7 +224,13 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
 
 def _child(step: str, backend: str, cache: str, args) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, __file__, "--cell", step, backend, "--world", str(args.world), "--rank", str(args.rank)]
+    script = __file__
+    if backend == AB_BACKEND:  # the other tree's own cell, its ztriton first on the path
+        tree = Path(args.ab_tree).resolve()
+        script, backend = str(tree / "bench" / "bench_coldstart.py"), "triton"
+        keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *keep])
+    cmd = [sys.executable, script, "--cell", step, backend, "--world", str(args.world), "--rank", str(args.rank)]
     if args.smoke:
         cmd.append("--smoke")
     if args.flatten_steps:
@@ -234,6 +247,11 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
         return {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:], "wall_seconds": wall}
     result = json.loads(lines[-1][len("RESULT "):])
     result["wall_seconds"] = wall
+    ran = {Path(p) for p in result.get("ztriton_from", [])}  # (a tree older than this check does not say)
+    if ran and ran != {Path(script).resolve().parent.parent}:
+        return {"error": f"the cell ran ztriton from {sorted(map(str, ran))}, not {Path(script).parent.parent}: an "
+                         "editable install or start-up hook of another checkout shadows it (run where PYTHONPATH "
+                         "alone names the tree, as on the lent GPU machine)", "tail": "", "wall_seconds": wall}
     if proc.returncode != 0:  # the step finished and printed its figures, then the process died at exit: keep both
         result["exit_code"] = proc.returncode
         result["exit_tail"] = (proc.stdout + proc.stderr)[-1500:]
@@ -283,7 +301,16 @@ def main(argv=None) -> int:
                         help="warm processes per step and backend; each warm figure is their median")
     parser.add_argument("--steps", nargs="+", default=["zero2", "zero3"], choices=["zero2", "zero3"])
     parser.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=BACKENDS)
+    parser.add_argument("--ab-tree", type=Path, default=None, metavar="DIR",
+                        help="another checkout (e.g. git archive REV | tar -x -C DIR): its key-on cells run in every "
+                             "round beside this tree's; ratios gain '<step>/<temperature>/ab', this tree's key on "
+                             "minus that tree's, paired per round. Needs a set-up where PYTHONPATH alone names the "
+                             "tree (no editable install of either: the lent GPU machine's)")
     args = parser.parse_args(argv)
+    if args.ab_tree is not None:
+        if not (args.ab_tree / "bench" / "bench_coldstart.py").is_file():
+            parser.error(f"--ab-tree {args.ab_tree} holds no bench/bench_coldstart.py")
+        args.backends = [*args.backends, AB_BACKEND]
     if args.cell:
         print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke, args.flatten_steps,
                                                  args.trace, tuple(args.preimport))),
@@ -306,7 +333,7 @@ def main(argv=None) -> int:
             result = _child(step, backend, caches[backend], args)
             runs[key].append(result)
             if "error" in result:
-                print(f"[coldstart] {key}: FAILED\n{result['tail']}", flush=True)
+                print(f"[coldstart] {key}: FAILED ({result['error']})\n{result['tail']}", flush=True)
                 continue
             steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
                               if k.endswith("_seconds") and k not in ("wall_seconds",))
@@ -332,6 +359,15 @@ def main(argv=None) -> int:
                     "key_off_seconds": total_off, "key_on_seconds": total_on,
                     "on_over_off": total_on / total_off, "on_minus_off": total_on - total_off,
                     **_paired(off, on, fields)}
+            this, other = (cells.get(f"{step}/{b}/{temperature}", {}) for b in ("triton", AB_BACKEND))
+            if this and other and "error" not in this and "error" not in other:
+                paired = _paired(other, this, fields)  # as "on minus off": this tree minus the other
+                ratios[f"{name}/{temperature}/ab"] = {
+                    "other_tree_seconds": sum(other[f] for f in fields),
+                    "this_tree_seconds": sum(this[f] for f in fields),
+                    **({"paired_median_this_minus_other": paired["paired_median_on_minus_off"],
+                        "rounds_this_tree_faster": paired["rounds_key_on_faster"], "rounds": paired["rounds"]}
+                       if paired else {})}
     print(json.dumps(ratios, indent=1), flush=True)
     from bench.harness import write_result
 

@@ -41,3 +41,32 @@ def test_traced_builds_the_call_tree_and_puts_everything_back(tiny_modules):
     assert (a.leaf, b.leaf, a.Box.method) == originals
     import time
     assert a.time.sleep is time.sleep and not hasattr(time.sleep, "__wrapped__")
+
+
+def test_coldstart_ab_cells_run_the_other_tree_or_say_what_shadows_it(tmp_path):
+    """``bench_coldstart --ab-tree DIR`` runs DIR's own cell for ``triton@ab``: it either ran DIR's ztriton and
+    kernels, or (where an editable install or start-up hook of this checkout shadows DIR, as in this suite's
+    environment) the cell is an error that says so; never a silent run of this tree under the other's name."""
+    import json
+    import shutil
+    import subprocess
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    tree = tmp_path / "other"
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if name.startswith(("ztriton/", "kernels/", "bench/")):
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, tree / name)
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, str(root / "bench" / "bench_coldstart.py"), "--smoke", "--steps", "zero2",
+                           "--backends", "triton", "--warm-repeats", "0", "--ab-tree", str(tree), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cells = json.loads(out.read_text())["figures"]["cells"]
+    ours, other = cells["zero2/triton/cold"], cells["zero2/triton@ab/cold"]
+    assert {str(root)} == set(ours["ztriton_from"])
+    if "error" in other:
+        assert "shadows it" in other["error"] and str(root) in other["error"], other["error"]
+    else:
+        assert set(other["ztriton_from"]) == {str(tree.resolve())}
