@@ -69,11 +69,9 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
     nothing to load (not a CUDA device, or no CUDA). A failure in the thread is logged at debug level
     and otherwise ignored: the first real launch then loads the kernel itself, as without warm-up.
     """
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    device = _indexed_cuda(device, "warm_up_in_background")
+    if device is None:
         return None
-    if device.index is None:
-        raise ValueError("warm_up_in_background needs an indexed CUDA device (cuda:N): the thread must not guess one")
     # The interpreter compiles nothing. Asked without importing triton where the environment says no: the
     # thread imports it, off the caller's thread.
     if plan._interpreter_on():
@@ -82,11 +80,8 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         if device.index in _requested:
             return WARMING.get(device.index)
         _requested.add(device.index)
-        thread = threading.Thread(target=_run, args=(device,), name=f"ztriton-warm-up-cuda{device.index}",
-                                  daemon=True)
-        thread.start()  # may raise (no threads left): then nothing is registered and launches never wait
+        thread = _start("warm-up", device)  # may raise (no threads left): then launches never wait
         WARMING[device.index] = thread  # launches on this device wait for it once (plan._await_warm_up)
-        _register_for_exit(thread)
     return thread
 
 
@@ -100,21 +95,13 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     19.5-23.4 ms, 13.7-17.1 ms after a tiny cat). Started when a ZeRO optimizer begins building, the thread loads
     it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
     real cat then loads the kernel, as without it."""
-    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    device = _indexed_cuda(device, "load_torch_cat_in_background")
+    if device is None:
         return None
-    if device.index is None:
-        raise ValueError("load_torch_cat_in_background needs an indexed CUDA device (cuda:N): the thread must not "
-                         "guess one")
     with _lock:
-        if device.index in _cat_started:
-            return _cat_started[device.index]
-        thread = threading.Thread(target=_run, args=(device, _cat_once), name=f"ztriton-cat-cuda{device.index}",
-                                  daemon=True)
-        thread.start()
-        _cat_started[device.index] = thread
-        _register_for_exit(thread)
-    return thread
+        if device.index not in _cat_started:
+            _cat_started[device.index] = _start("cat", device, _cat_once)
+        return _cat_started[device.index]
 
 
 def _cat_once(device: torch.device) -> None:
@@ -122,11 +109,27 @@ def _cat_once(device: torch.device) -> None:
     torch.cat(parts, out=torch.empty(16 * _CAT_INPUTS, dtype=torch.int64, device=device))
 
 
-def _register_for_exit(thread: threading.Thread) -> None:
-    """(under ``_lock``) ``thread`` is waited for at exit."""
+def _indexed_cuda(device: torch.device | int | str, caller: str) -> torch.device | None:
+    """``device`` as a CUDA device with its index; None where there is nothing to load (not a CUDA device, or no
+    CUDA). Raises for a CUDA device without an index: a thread must not guess one."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if device.index is None:
+        raise ValueError(f"{caller} needs an indexed CUDA device (cuda:N): the thread must not guess one")
+    return device
+
+
+def _start(name: str, device: torch.device, work=None) -> threading.Thread:
+    """(under ``_lock``) A daemon thread running ``work`` (default: the copy kernel's warm-up) on ``device``, waited
+    for at exit. Starting may raise (no threads left): then nothing is registered."""
+    thread = threading.Thread(target=_run, args=(device,) if work is None else (device, work),
+                              name=f"ztriton-{name}-cuda{device.index}", daemon=True)
+    thread.start()
     if not _threads:
         atexit.register(_finish_at_exit)
     _threads.append(thread)
+    return thread
 
 
 def _finish_at_exit() -> None:
