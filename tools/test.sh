@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the test suite. Extra arguments go to pytest (e.g. -m gpu).
+# Set up a venv if needed, then run the test suite. Extra arguments go to pytest (e.g. -m gpu).
+#   bash tools/test.sh                        .venv (the torch you have, else 2.13.0)
+#   ZTRITON_STACK=newest bash tools/test.sh   .venv-newest, pinned by tools/stacks/newest.txt (also: seed)
 # Without CUDA, Triton kernels run under the interpreter and GPU-marked tests are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_env.sh
-# Only the pytest plugins the suite uses: the venv sees the system site-packages, whose unrelated
-# plugins (anyio, benchmark, ...) would otherwise load too. hypothesis registers as one.
+VPY=$(bash tools/setup_env.sh | tail -n 1)
+# Only the pytest plugins the suite uses: a venv that sees the system site-packages would otherwise load
+# their unrelated plugins (anyio, benchmark, ...) too. hypothesis registers as one.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
-exec .venv/bin/python -m pytest -p hypothesispytest "$@"
+exec "$VPY" -m pytest -p hypothesispytest "$@"

@@ -54,46 +54,54 @@ def __getattr__(name):
 # go in as soon as DeepSpeed is imported, transformers' (ztriton.integrations.transformers, from_pretrained
 # under ZeRO-3) as soon as its modeling_utils is, without importing either here (both are slow to import, and
 # DeepSpeed picks its accelerator on import).
-_INSTALLERS = {"deepspeed": ("ztriton.integrations.deepspeed.install", "DeepSpeed", "deepspeed==0.19.8"),
-               "transformers.modeling_utils": ("ztriton.integrations.transformers", "transformers",
-                                               "transformers 5.17 to 5.24")}
+_INSTALLERS = {"deepspeed": ("ztriton.integrations.deepspeed.install", "DeepSpeed"),
+               "transformers.modeling_utils": ("ztriton.integrations.transformers", "transformers")}
 
 
 class _InstallOnImport:
-    """One shot per module: when ``name`` finishes loading, install ztriton's hooks into it. (A meta path
-    finder needs only ``find_spec``: importlib.abc would cost the start-up hook 7 ms of imports.)"""
+    """Installs ztriton's hooks into module ``name`` when it finishes loading, whatever probed for it first.
+
+    It stays on ``sys.meta_path`` until the module has really been executed: ``importlib.util.find_spec(name)``
+    (transformers' and accelerate's availability probes) gets a spec it may throw away, and the import that
+    follows gets another. It asks only the finders after itself, so it never calls back into itself. (A meta
+    path finder needs only ``find_spec``: importlib.abc would cost the start-up hook 7 ms of imports.)"""
 
     def __init__(self, name: str):
         self.name = name
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.name:
+        if name != self.name or self not in _sys.meta_path:
             return None
-        _sys.meta_path.remove(self)  # one shot: the lookup below must not come back here
-        spec = _util.find_spec(name)
+        later = _sys.meta_path[_sys.meta_path.index(self) + 1:]
+        spec = next((s for s in (_ask(f, name, path, target) for f in later) if s is not None), None)
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             run_module = spec.loader.exec_module
 
             def exec_module(module):
-                run_module(module)
+                run_module(module)  # a failed import raises here and leaves this finder for the next try
+                if self in _sys.meta_path:
+                    _sys.meta_path.remove(self)
                 _install_hooks(name)
 
             spec.loader.exec_module = exec_module
         return spec
 
 
+def _ask(finder, name, path, target):
+    find_spec = getattr(finder, "find_spec", None)
+    return None if find_spec is None else find_spec(name, path, target)
+
+
 def _install_hooks(name: str) -> None:
     import importlib
 
-    module, library, supported = _INSTALLERS[name]
+    module, library = _INSTALLERS[name]
     try:
         importlib.import_module(module).install()
-    except Exception as exc:  # internals that moved: say so, do not break the user's import
-        import logging
+    except Exception as exc:  # noqa: BLE001 -- never break the user's import of DeepSpeed or transformers
+        from ztriton.integrations.standaside import stand_aside
 
-        logging.getLogger("ztriton").error(
-            "ztriton could not hook %s (%s: %s); \"partition_backend\": \"triton\" will have no effect there. "
-            "ztriton supports %s", library, type(exc).__name__, exc, supported)
+        stand_aside(library, f"its hooks failed to install ({type(exc).__name__}: {exc})")
 
 
 for _name in _INSTALLERS:

@@ -157,6 +157,10 @@ def config_init(original, self, config, *args, **kwargs):
         config = config._param_dict
     original(self, config, *args, **kwargs)
     settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
+    if settings.triton:
+        from ztriton.integrations.standaside import announce
+
+        announce()  # where ztriton stood aside from another library (transformers), the one line saying so
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
     if isinstance(self._param_dict, dict):

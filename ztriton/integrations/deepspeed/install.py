@@ -19,17 +19,36 @@ import functools
 from typing import Any, Callable
 
 from ztriton.integrations.deepspeed import optimizers, zero_init
-from ztriton.integrations.deepspeed.config import config_init
+from ztriton.integrations.deepspeed.config import CONFIG_KEY, config_init
 from ztriton.integrations.deepspeed.state import STATE
+from ztriton.integrations.standaside import announce, stand_aside
 
 __all__ = ["install", "installed", "uninstall"]
 
 
-def install() -> None:
+def install() -> bool:
     """Make DeepSpeed honour ``"partition_backend"``. Idempotent; ``import ztriton`` calls it (at once if
-    DeepSpeed is imported, else when it is). Without the key DeepSpeed behaves exactly as before."""
+    DeepSpeed is imported, else when it is). Without the key DeepSpeed behaves exactly as before.
+
+    All hooks or none: where one of DeepSpeed's internals is not the one known, every hook already put in is
+    taken out again, ztriton stands aside (:mod:`ztriton.integrations.standaside`) and only a hook that reads
+    the key stays, to say so once when a config asks for ztriton. Returns whether the hooks are in."""
     if STATE.originals:
-        return
+        return True
+    try:
+        _install_all()
+    except Exception as exc:  # noqa: BLE001 -- any failure here means internals ztriton does not know
+        uninstall()
+        import deepspeed
+
+        stand_aside("DeepSpeed", f"DeepSpeed {deepspeed.__version__}'s internals are not the ones ztriton knows "
+                                 f"({type(exc).__name__}: {exc})")
+        _install_key_reader()
+        return False
+    return True
+
+
+def _install_all() -> None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime import config as config_module
     from deepspeed.runtime import engine as engine_module
@@ -49,23 +68,39 @@ def install() -> None:
     _wrap(type(get_accelerator()), "available_memory", optimizers.accelerator_available_memory)
 
 
+def _install_key_reader() -> None:
+    """Where ztriton stands aside: ``DeepSpeedConfig.__init__`` runs as DeepSpeed's and then, if the config
+    asks for ztriton, says once why it has no effect."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    def read_key(original, self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        values = getattr(self, "_param_dict", None)
+        if isinstance(values, dict) and values.get(CONFIG_KEY) == "triton":
+            announce()
+
+    _wrap(DeepSpeedConfig, "__init__", read_key, into=STATE.key_reader)
+
+
 def uninstall() -> None:
     """Put DeepSpeed's functions back (tests use it to compare against an untouched DeepSpeed)."""
-    for (owner, name), (original, own) in STATE.originals.items():
-        if own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)  # it was inherited: let the base class's show through again
-    STATE.originals.clear()
+    for originals in (STATE.originals, STATE.key_reader):
+        for (owner, name), (original, own) in originals.items():
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # it was inherited: let the base class's show through again
+        originals.clear()
 
 
 def installed() -> bool:
     return bool(STATE.originals)
 
 
-def _wrap(owner: Any, name: str, wrapper: Callable) -> None:
+def _wrap(owner: Any, name: str, wrapper: Callable, into: dict | None = None) -> None:
     original = getattr(owner, name)
-    STATE.originals[(owner, name)] = (original, not isinstance(owner, type) or name in owner.__dict__)
+    (STATE.originals if into is None else into)[(owner, name)] = (
+        original, not isinstance(owner, type) or name in owner.__dict__)
 
     @functools.wraps(original)
     def patched(*args, **kwargs):

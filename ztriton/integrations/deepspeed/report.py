@@ -30,9 +30,15 @@ _said: set[str] = set()  # banners and warnings already logged by this process
 
 
 def _is_rank0() -> bool:
+    """Rank 0 of the world; before torch.distributed is initialised, the launcher's ``RANK`` says (every
+    launcher sets it: deepspeed, torchrun, accelerate launch), and a process without one is rank 0."""
+    import os
+
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def _deepspeed_logger() -> logging.Logger:

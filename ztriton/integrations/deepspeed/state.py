@@ -51,6 +51,8 @@ class HookState:
         default_factory=lambda: contextvars.ContextVar("ztriton_spoof_memory", default=False))
     # (owner, name) -> (DeepSpeed's function, whether owner itself defined it rather than a base class).
     originals: dict[tuple[Any, str], tuple[Any, bool]] = field(default_factory=dict)
+    # The same for the one hook left where ztriton stands aside from DeepSpeed (it only reads the key).
+    key_reader: dict[tuple[Any, str], tuple[Any, bool]] = field(default_factory=dict)
 
     def init(self, init) -> InitState | None:
         """The state of a ``zero.Init`` object, None if it was not made while the hooks were installed."""

@@ -77,8 +77,9 @@ def install() -> bool:
         return True
     reason = unsupported_reason()
     if reason is not None:
-        logger.warning("ztriton: transformers is left alone: %s; from_pretrained under ZeRO-3 uses its own loading "
-                       "even with \"partition_backend\": \"triton\"", reason)
+        from ztriton.integrations.standaside import stand_aside
+
+        stand_aside("transformers", f"{reason}; from_pretrained under ZeRO-3 uses its own loading")
         return False
     from transformers.modeling_utils import PreTrainedModel
 
