@@ -20,7 +20,7 @@ def test_kernels_install_as_ztriton_kernels_only(tmp_path):
                        "print('none' if s is None else s.origin)", tmp_path)
     assert probe.returncode == 0, probe.stderr
     origin = probe.stdout.strip()
-    assert origin == "none" or not origin.startswith(repo), f"`import kernels` resolves to ours: {origin}"
+    assert origin == "none" or not origin.startswith(os.path.join(repo, "kernels")), f"`import kernels` is ours: {origin}"
 
 
 def test_demo_runs_on_cpu_and_reports_identical_bytes(tmp_path):
@@ -101,3 +101,35 @@ def test_editable_install_ships_the_start_up_hook(tmp_path):
                              env={**os.environ, "ZTRITON_AUTOLOAD": flag})
         assert ran.stdout.split()[0] == loaded, ran.stdout + ran.stderr
     assert ran.returncode == 0
+
+
+def test_installing_into_this_environment_changes_no_other_package(tmp_path):
+    """``pip install .`` into an environment that already has a supported stack (CI's newest: torch 2.15,
+    transformers 5.25, DeepSpeed 0.19.8) installs ztriton and nothing else: no downgrade, no new package.
+    Offline (--no-index): a requirement this environment does not satisfy fails the resolution here."""
+    import json
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
+                           "-q", "--report", str(report), repo], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PIP_CONSTRAINT": os.devnull, "PIP_CONFIG_FILE": os.devnull})
+    assert done.returncode == 0, done.stdout + done.stderr
+    planned = [(item["metadata"]["name"], item["metadata"]["version"]) for item in json.loads(report.read_text())["install"]]
+    assert [name for name, _ in planned] == ["ztriton"], planned
+
+
+def test_checkout_root_hands_the_name_kernels_to_another_distribution(tmp_path):
+    """From the checkout root (``python -m pytest``, ``PYTHONPATH=.``) the folder kernels/ is found first as the
+    top-level ``kernels``; where another distribution provides ``kernels`` (transformers 5.25 imports PyPI's),
+    that one is what ``import kernels`` returns, submodules included, and ``ztriton.kernels`` is still ours."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("CUDAProperties = 'the other kernels'\n")
+    (other / "layers.py").write_text("WHERE = 'the other kernels.layers'\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from kernels import CUDAProperties; import kernels.layers, ztriton.kernels as ours; "
+            "print(CUDAProperties); print(kernels.layers.WHERE); print(ours.pack.__module__)")
+    done = run_python(["-c", code], repo, {"PYTHONPATH": os.pathsep.join([repo, str(tmp_path / "site")])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["the other kernels", "the other kernels.layers", "ztriton.kernels.ops"]
