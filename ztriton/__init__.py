@@ -99,9 +99,8 @@ def _install_hooks(name: str) -> None:
     try:
         importlib.import_module(module).install()
     except Exception as exc:  # noqa: BLE001 -- never break the user's import of DeepSpeed or transformers
-        from ztriton.integrations.standaside import stand_aside
-
-        stand_aside(library, f"its hooks failed to install ({type(exc).__name__}: {exc})")
+        importlib.import_module("ztriton.integrations.standaside").stand_aside(
+            library, f"its hooks failed to install ({type(exc).__name__}: {exc})")
 
 
 for _name in _INSTALLERS:
