@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ztriton.sharded_init import Recorder, agree, materialise, placeholder, replay
-from ztriton.sharded_init import philox, rng
+from ztriton.sharded_init import philox, rng, selfcheck
 from ztriton.sharded_init.record import RandomOp
 from ztriton.sharded_init.replay import generate_range
 
@@ -595,14 +595,15 @@ def test_call_layout_matches_the_h200():
 SMALL = philox.Geometry(2, 512)  # 4 blocks of 256 threads: a period of 4096 elements (unroll 4)
 
 
-def _model_call(n, itemsize, unroll, limit, geometry=SMALL):
+def _model_call(n, itemsize, unroll, limit, geometry=SMALL, per_round=4):
     """(thread, philox offset, lane) of every element of one call, from the kernel's description,
-    not from :func:`philox.call_layout`: the whole reservation first, then pieces depth first."""
+    not from :func:`philox.call_layout`: the whole reservation first, then pieces depth first.
+    ``per_round`` is the philox offsets a round takes (ATen's 4; a changed kernel's other)."""
     def threads(m):
         return 256 * min(geometry.max_blocks, -(-m // 256))
 
     def reserve(m):
-        return ((m - 1) // (threads(m) * unroll) + 1) * 4
+        return ((m - 1) // (threads(m) * unroll) + 1) * per_round
 
     def fits(m):
         return m <= limit and 1 + (m - 1) * itemsize <= limit
@@ -611,7 +612,7 @@ def _model_call(n, itemsize, unroll, limit, geometry=SMALL):
 
     def launch(m):
         t = threads(m)
-        out.extend((e % t, offset[0] + 4 * (e // (unroll * t)), (e // t) % unroll) for e in range(m))
+        out.extend((e % t, offset[0] + per_round * (e // (unroll * t)), (e // t) % unroll) for e in range(m))
         offset[0] += reserve(m)
 
     def split(m):
@@ -687,3 +688,181 @@ def test_generate_range_places_every_window(n, data, dtype):
     scratch = [numel for numel, ptr in draws.calls
                if not dst.data_ptr() <= ptr < dst.data_ptr() + dst.numel() * itemsize]
     assert all(numel <= 4096 for numel in scratch) or n < 768, "scratch beyond one period"
+
+
+# ---- the self-check: does this torch generate as the window arithmetic says? (run against the model)
+
+NORMAL, UNIFORM = torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default
+CPU = torch.device("cpu")
+
+
+def _model_values(elements, base):
+    return [(t * 7919 + (o + base) * 104729 + lane * 13) % (1 << 23) for t, o, lane in elements]
+
+
+class KernelModel:
+    """torch's random call as the self-check sees it, from the model of the kernel: each element's value
+    made from its (thread, offset, lane), the generator's offset left where the call's reservation ends.
+    ``kernel`` is the grid the kernel really uses, ``per_round`` its offsets per round; the check is told
+    the geometry of :data:`SMALL`. ``disturb`` makes every call reseed the generator it was given, and
+    ``fail_at`` raises that exception on the given call."""
+
+    def __init__(self, kernel=SMALL, per_round=4, disturb=False, fail_at=None):
+        self.kernel, self.per_round, self.disturb, self.fail_at = kernel, per_round, disturb, fail_at
+        self.offset, self.calls = None, 0
+
+    def geometry(self, device):
+        return SMALL
+
+    def fill(self, op, target, offset):
+        self.calls += 1
+        if self.disturb:
+            op.generator.manual_seed(self.calls)
+        if self.fail_at is not None and self.calls == self.fail_at[0]:
+            raise self.fail_at[1]
+        elements, total = _model_call(target.numel(), target.element_size(), philox.unroll(op.dtype),
+                                      philox.INT32_MAX, self.kernel, self.per_round)
+        target.copy_(torch.tensor(_model_values(elements, op.start.offset + offset), dtype=target.dtype))
+        self.offset = op.start.offset + offset + total
+
+    def state(self, op):
+        return rng.PhiloxState(op.start.seed, self.offset)
+
+
+@pytest.fixture
+def checked_on_cpu(monkeypatch):
+    """The self-check run for CPU placeholders too, against a fresh :class:`KernelModel`, with no verdict
+    yet in this process."""
+    model = KernelModel()
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.setattr(selfcheck, "WINDOWED", ("cuda", "cpu"))
+    monkeypatch.setattr(selfcheck, "draws_for", lambda device: model)
+    return model
+
+
+def _check_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "window replay of" in r.getMessage()]
+
+
+@pytest.mark.parametrize("func", [NORMAL, UNIFORM])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_self_check_passes_against_the_model_of_the_kernel(func, dtype):
+    assert selfcheck.check(func, dtype, CPU, KernelModel(), torch.Generator()) == []
+
+
+def test_self_check_windows_start_past_zero_and_cross_period_boundaries():
+    """The cases must exercise what a real replay does: windows at offsets past the call's base, an
+    unaligned head through scratch, a window across a period boundary, and a tail padded to a grid."""
+    period = 4 * 256 * SMALL.max_blocks
+    (n, ranges), _ = selfcheck._cases(period)
+    assert n > 2 * period
+    _, pieces = philox.call_layout(n, 4, SMALL, 4)
+    windows = [w for begin, end in ranges for w in philox.windows(pieces, begin, end, SMALL, 4, 4)]
+    assert any(w.offset > 0 for w in windows) and any(not w.exact for w in windows)
+    assert any(w.keep_start < k * period < w.keep_end for w in windows for k in (1, 2))
+    assert any(w.length > w.keep_end - w.start for w in windows)
+
+
+@pytest.mark.parametrize("kernel, per_round, expected", [
+    (philox.Geometry(2, 768), 4, ["reserved 8 offsets, replay assumes 12", "differ"]),  # one more block per SM
+    (SMALL, 8, ["reserved 24 offsets, replay assumes 12", "differ"]),  # 8 offsets per round
+])
+def test_self_check_finds_a_changed_kernel(kernel, per_round, expected):
+    differences = selfcheck.check(NORMAL, torch.float32, CPU, KernelModel(kernel, per_round), torch.Generator())
+    for text in expected:
+        assert any(text in d for d in differences), differences
+
+
+def test_a_failed_check_falls_back_to_full_generation_in_one_line(checked_on_cpu, monkeypatch, caplog):
+    """normal_ on float32 fails its check (the comparison says every window differs): each such call
+    materialises its tensor as full generation does, with one line for the kind; bfloat16 uniform_
+    passes and is still recorded and replayed."""
+    same = selfcheck._same_bytes
+    monkeypatch.setattr(selfcheck, "_same_bytes", lambda a, b: a.dtype != torch.float32 and same(a, b))
+    torch.manual_seed(21)
+    ref = [torch.empty(6, 5).normal_(0.0, 0.02), torch.empty(9).fill_(1.0).normal_().mul_(3.0),
+           torch.empty(4, 4, dtype=torch.bfloat16).uniform_()]
+    ref_next = torch.rand(3)
+    torch.manual_seed(21)
+    with caplog.at_level(logging.DEBUG, logger="ztriton"), Recorder() as recorder:
+        module = torch.nn.Module()
+        module.a = torch.nn.Parameter(recorder.placeholder((6, 5)))
+        module.b = torch.nn.Parameter(recorder.placeholder((9,)))
+        module.c = torch.nn.Parameter(recorder.placeholder((4, 4), torch.bfloat16))
+        with torch.no_grad():
+            module.a.normal_(0.0, 0.02)
+            module.b.fill_(1.0)
+            module.b.normal_()
+            module.b.mul_(3.0)
+            module.c.uniform_()
+        taken = recorder.take_parameters(module)
+    assert [(name, record is None) for name, _, record in taken] == [("a", True), ("b", True), ("c", False)]
+    for (_, new, record), expected in zip(taken, ref):
+        if record is None:
+            assert torch.equal(bits(new.detach()), bits(expected))
+        else:
+            assert_slices_match(record, expected, 3)
+    assert torch.equal(torch.rand(3), ref_next)
+    [line] = _check_lines(caplog)
+    assert f"torch {torch.__version__} on cpu" in line and "normal_ on torch.float32" in line
+    assert "elements [" in line and "differ" in line
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "cannot be recorded" in r.getMessage()]
+    assert not warned and len([r for r in caplog.records if "cannot be recorded" in r.getMessage()]) == 2
+
+
+def test_the_check_runs_once_per_device_and_kind(checked_on_cpu, monkeypatch):
+    checked = []
+    real = selfcheck.check
+    monkeypatch.setattr(selfcheck, "check", lambda func, dtype, *a: checked.append((func, dtype)) or real(func, dtype, *a))
+    for func, dtype in [(NORMAL, torch.float32), (NORMAL, torch.float32), (NORMAL, torch.bfloat16),
+                        (UNIFORM, torch.float32), (NORMAL, torch.bfloat16)]:
+        assert selfcheck.replay_verified(func, dtype, CPU)
+    assert checked == [(NORMAL, torch.float32), (NORMAL, torch.bfloat16), (UNIFORM, torch.float32)]
+
+
+def test_devices_without_windows_are_never_checked(monkeypatch):
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.setattr(selfcheck, "check", lambda *a: pytest.fail("a CPU generator has no windows to check"))
+    assert selfcheck.replay_verified(NORMAL, torch.float32, CPU)
+    assert selfcheck._verdicts == {}
+
+
+def test_the_check_leaves_the_generator_as_it_was(checked_on_cpu):
+    checked_on_cpu.disturb = True
+    torch.manual_seed(3)
+    torch.rand(5)
+    state = torch.get_rng_state()
+    assert selfcheck.replay_verified(NORMAL, torch.float32, CPU)
+    assert checked_on_cpu.calls > 1  # the model really did reseed the generator
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_check_that_raises_is_a_failure_and_keeps_the_generator(checked_on_cpu, caplog):
+    checked_on_cpu.disturb, checked_on_cpu.fail_at = True, (2, RuntimeError("no such kernel"))
+    state = torch.get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        assert not selfcheck.replay_verified(UNIFORM, torch.float32, CPU)
+        assert not selfcheck.replay_verified(UNIFORM, torch.float32, CPU)
+    assert torch.equal(torch.get_rng_state(), state)
+    [line] = _check_lines(caplog)
+    assert "uniform_ on torch.float32" in line and "RuntimeError: no such kernel" in line
+
+
+def test_out_of_memory_in_the_check_propagates_without_a_verdict(checked_on_cpu):
+    checked_on_cpu.disturb, checked_on_cpu.fail_at = True, (1, torch.OutOfMemoryError("out of memory"))
+    state = torch.get_rng_state()
+    with pytest.raises(torch.OutOfMemoryError):
+        selfcheck.replay_verified(NORMAL, torch.float32, CPU)
+    assert selfcheck._verdicts == {} and torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_line_is_said_on_rank_0_only(checked_on_cpu, monkeypatch, caplog):
+    monkeypatch.setattr(selfcheck, "_same_bytes", lambda a, b: False)
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        assert not selfcheck.replay_verified(NORMAL, torch.float32, CPU)
+    assert not _check_lines(caplog)
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        assert not selfcheck.replay_verified(NORMAL, torch.bfloat16, CPU)
+    assert len(_check_lines(caplog)) == 1

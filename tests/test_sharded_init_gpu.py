@@ -4,17 +4,22 @@ For each init, dtype and size (a grid smaller than the device, unaligned and per
 tensors over 2**31 bytes that ATen cuts into 32-bit pieces), every rank's replayed partition for W in
 {1, 3, 8} must equal the same slice of the full tensor made by the same calls from the same seed; the
 CUDA generator after recording must equal its state after the full calls, replay must leave it there,
-and the next random call must give the same numbers. Run on an H200 (or any CUDA device).
+and the next random call must give the same numbers. The self-check must pass here, cost a few ms,
+leave the generator as it was, and on a (forced) failure fall back to full generation exactly.
+Run on an H200 (or any CUDA device).
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import pytest
 import torch
 
-from ztriton.sharded_init import Recorder, replay
+from ztriton.sharded_init import Recorder, philox, replay, selfcheck
 from ztriton.sharded_init.recorder import _trunc_normal_is_pointwise
+from ztriton.sharded_init.replay import CudaDraws
 
 pytestmark = pytest.mark.gpu
 
@@ -170,3 +175,75 @@ def test_interleaved_device_random_calls_match():
     out = torch.empty(a.numel(), dtype=torch.bfloat16, device=device())
     replay(record, out, 0, a.numel())
     assert torch.equal(bits(out), bits(a))
+
+
+# ---- the self-check on this torch and device
+
+KINDS = [(func, dtype) for func in (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default)
+         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+
+
+def check_lines(caplog):
+    return [r.getMessage() for r in caplog.records if "window replay of" in r.getMessage()]
+
+
+def test_self_check_passes_here_and_keeps_the_generator(monkeypatch, caplog):
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    torch.cuda.manual_seed(5)
+    torch.rand(3, device=device())
+    state = torch.cuda.get_rng_state()
+    expected_next = torch.rand(8, device=device())
+    torch.cuda.set_rng_state(state)
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        verdicts = [selfcheck.replay_verified(func, dtype, device()) for func, dtype in KINDS]
+    assert all(verdicts), check_lines(caplog)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    assert torch.equal(torch.rand(8, device=device()), expected_next)
+
+
+def test_self_check_costs_a_few_ms(monkeypatch):
+    seconds = {}
+    for func, dtype in KINDS:
+        for _ in range(2):  # the second run: the kernels loaded, the allocator's blocks cached
+            monkeypatch.setattr(selfcheck, "_verdicts", {})
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            assert selfcheck.replay_verified(func, dtype, device())
+            torch.cuda.synchronize()
+            seconds[(str(func), dtype)] = time.perf_counter() - begin
+    assert max(seconds.values()) < 0.02, seconds
+
+
+def test_self_check_finds_a_wrong_geometry_here(monkeypatch, caplog):
+    """The check is sensitive on this device: told of one more multiprocessor than the device has, the
+    windows it replays are not the call's elements."""
+
+    class OneMoreSM(CudaDraws):
+        def geometry(self, device):
+            real = super().geometry(device)
+            return philox.Geometry(real.sms + 1, real.max_threads_per_sm)
+
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.setattr(selfcheck, "draws_for", lambda device: OneMoreSM())
+    state = torch.cuda.get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        assert not selfcheck.replay_verified(torch.ops.aten.normal_.default, torch.float32, device())
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+    [line] = check_lines(caplog)
+    assert f"torch {torch.__version__} on {device()} ({torch.cuda.get_device_name(device())})" in line
+    assert "normal_ on torch.float32" in line and "differ" in line
+
+
+def test_a_failed_check_falls_back_to_full_generation_here(monkeypatch, caplog):
+    monkeypatch.setattr(selfcheck, "_verdicts", {})
+    monkeypatch.setattr(selfcheck, "_same_bytes", lambda a, b: False)
+    numel = 3 * period() + 101
+    full, state_full, after_full = full_path(INITS["normal_"], numel, torch.bfloat16, 11)
+    with caplog.at_level(logging.WARNING, logger="ztriton"):
+        record, state_recorded, fallbacks = recorded_path(INITS["normal_"], numel, torch.bfloat16, 11)
+    assert record.materialised and len(fallbacks) == 1
+    assert torch.equal(bits(record.real.view(-1)), bits(full))
+    assert torch.equal(state_recorded, state_full)
+    assert torch.equal(torch.rand(8, device=device()), after_full)
+    [line] = check_lines(caplog)
+    assert "normal_ on torch.bfloat16" in line and torch.__version__ in line

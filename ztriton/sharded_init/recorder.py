@@ -11,7 +11,8 @@ A placeholder is a tensor on the meta device (shape and dtype, no storage) regis
   with one log line naming the op and the tensor. Materialised placeholders are never turned into real
   tensors in place (torch cannot re-point a meta tensor at real memory): every alias stands for a
   view of the record's real tensor, substituted op by op, and :meth:`Recorder.take_parameters` swaps
-  the module's parameters at the end.
+  the module's parameters at the end. A random op on a CUDA placeholder whose kind failed the
+  self-check (:mod:`.selfcheck`, said once in one line) falls back the same way, each with a debug line.
 * a function mode answers the Python-level questions a meta tensor would answer wrongly: ``device``,
   ``is_meta``, ``is_cuda``, ``is_cpu``, ``get_device()``, and ``.to()``/``.cuda()``/``.cpu()`` to the
   device it already stands for (no-ops, as on a real tensor).
@@ -38,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ztriton.sharded_init import replay as _replay
+from ztriton.sharded_init import selfcheck
 from ztriton.sharded_init.record import Record, empty
 
 logger = logging.getLogger("ztriton")
@@ -463,6 +465,8 @@ class Recorder:
         packet = func.overloadpacket
         if (func in RANDOM or func in FILLS or func in POINTWISE) and args and args[0] is target and not others \
                 and _whole(target, record) and _scalars_only(args[1:], kwargs):
+            if func in RANDOM and not self._replay_verified(func, record):
+                return self._fallback(func, args, kwargs, found, quiet=True)
             _check_arguments(func, target, args[1:], kwargs)
             if func in RANDOM:
                 record.record_random(func, target, args[1:], kwargs)
@@ -485,19 +489,27 @@ class Recorder:
             return func(*args, **kwargs)
         return self._fallback(func, args, kwargs, found)
 
-    def _fallback(self, func, args, kwargs, found):
-        """Materialise every placeholder the op touches, then run the op on the real tensors."""
+    def _replay_verified(self, func, record: Record) -> bool:
+        """Whether ``func`` on ``record`` may be recorded: its kind's self-check passed on the device."""
+        with _Paused(self, step_aside=False):  # the check's real ops pass through; a lookup after the first
+            return selfcheck.replay_verified(func, record.dtype, record.device)
+
+    def _fallback(self, func, args, kwargs, found, quiet: bool = False):
+        """Materialise every placeholder the op touches, then run the op on the real tensors. ``quiet``:
+        the reason was said once already (a failed self-check), so each tensor's line is a debug line."""
         for _, record in found:
             if not record.materialised:
-                self._materialise(record, str(func))
+                self._materialise(record, str(func), quiet)
         substitutes = {id(t): self._substitute(t, r) for t, r in found}
         args, kwargs = tree_map(lambda x: substitutes.get(id(x), x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         return func(*args, **kwargs)
 
-    def _materialise(self, record: Record, op: str) -> None:
+    def _materialise(self, record: Record, op: str, quiet: bool = False) -> None:
         device = self.fallback_device or record.device
-        logger.warning("ztriton sharded init: %s on %s cannot be recorded (%s); materialising it in full on %s "
-                       "(%d recorded ops replayed)", op, record.describe(), _caller_context() or "no caller found",
+        level = logging.DEBUG if quiet else logging.WARNING
+        if logger.isEnabledFor(level):
+            logger.log(level, "ztriton sharded init: %s on %s cannot be recorded (%s); materialising it in full on "
+                       "%s (%d recorded ops replayed)", op, record.describe(), _caller_context() or "no caller found",
                        device, len(record.ops))
         with self.paused():
             record.real = _replay.materialise(record, device)

@@ -116,6 +116,10 @@ class CudaDraws:
         rng.restore(op.generator, op.start.advanced(offset))
         op.run(target)
 
+    def state(self, op: RandomOp) -> rng.PhiloxState:
+        """The op's generator's state now: after a fill, where that call left it."""
+        return rng.capture(op.generator)
+
 
 def generate_range(op: RandomOp, numel: int, dst: torch.Tensor, begin: int, end: int,
                    draws: CudaDraws | None = None, longest: int | None = None, limit: int = philox.INT32_MAX) -> None:
