@@ -23,7 +23,7 @@ import deepspeed
 import ztriton  # noqa: F401 - the DeepSpeed hooks of the key (zero.Init)
 import hf_models
 from ds_reference import bits
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
 from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.modeling_utils import PreTrainedModel
@@ -494,25 +494,179 @@ def test_import_ztriton_installs_the_hooks_whichever_is_imported_first(first):
         done.stdout + done.stderr
 
 
-def test_an_unknown_transformers_is_left_alone(monkeypatch, caplog):
+@pytest.fixture
+def uninstalled(monkeypatch):
+    """The hooks out for the test, with a fresh record of where ztriton stands aside and of the lines said; put
+    back afterwards (the monkeypatches undone first)."""
+    from ztriton.integrations import standaside
+    from ztriton.integrations.deepspeed import report
+
+    hf_integration.uninstall()
+    monkeypatch.setattr(standaside, "REASONS", {})
+    monkeypatch.setattr(report, "_said", set())
+    originals = {n: PreTrainedModel.__dict__[n] for n in ("_load_pretrained_model", "_initialize_missing_keys")}
+    yield originals
+    monkeypatch.undo()
+    assert hf_integration.install(), hf_integration.unsupported_reason()
+
+
+def _stand_aside_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "ztriton" and r.levelno >= logging.WARNING and "no effect on transformers" in r.getMessage()]
+
+
+def test_unknown_internals_stand_aside_silently_and_say_so_once_where_a_config_has_the_key(uninstalled, monkeypatch,
+                                                                                            caplog, fake_world):
+    """A transformers whose rename_source_key is not the one known: install() replaces nothing and says nothing
+    (it runs at import); a DeepSpeed config with the key says it once, on rank 0 only; one without says nothing."""
     import transformers
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import core_model_loading
 
     from ztriton.integrations import standaside
 
-    hf_integration.uninstall()
-    try:
-        originals = {n: PreTrainedModel.__dict__[n] for n in ("_load_pretrained_model", "_initialize_missing_keys")}
-        monkeypatch.setattr(transformers, "__version__", "5.99.0")
-        with caplog.at_level(logging.WARNING, logger="ztriton"):
-            assert hf_integration.install() is False
-        assert not hf_integration.installed()
-        assert {n: PreTrainedModel.__dict__[n] for n in originals} == originals
-        assert not [r for r in caplog.records if r.name == "ztriton"]  # nothing said where no config asks for ztriton
-        assert "5.99.0" in standaside.REASONS["transformers"]
-    finally:
+    monkeypatch.setattr(core_model_loading, "rename_source_key", lambda source_key, renamings: (source_key, None))
+    with caplog.at_level(logging.INFO):
+        assert hf_integration.install() is False
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+    assert not hf_integration.installed()
+    assert {n: PreTrainedModel.__dict__[n] for n in uninstalled} == uninstalled
+    assert "rename_source_key" in standaside.REASONS["transformers"]
+    with caplog.at_level(logging.INFO, logger="ztriton"):
+        with fake_world(2, 1):
+            DeepSpeedConfig(ds_config("triton"))
+        assert _stand_aside_lines(caplog) == []  # rank 1
+        with fake_world(2, 0):
+            DeepSpeedConfig(ds_config("torch"))
+            assert _stand_aside_lines(caplog) == []
+            DeepSpeedConfig(ds_config("triton"))
+            DeepSpeedConfig(ds_config("triton"))
+    lines = _stand_aside_lines(caplog)
+    assert len(lines) == 1 and "rename_source_key" in lines[0] and f"transformers {transformers.__version__}" in \
+        lines[0], lines
+
+
+def test_install_is_all_or_none(uninstalled, monkeypatch):
+    """A wrap that fails after another went in: install() puts the first back, replaces nothing, stands aside."""
+    from ztriton.integrations import standaside
+
+    wrap = hf_integration._wrap
+
+    def failing_second(owner, name, wrapper, static=False):
+        if name == "_initialize_missing_keys":
+            raise RuntimeError("cannot wrap _initialize_missing_keys")
+        wrap(owner, name, wrapper, static)
+
+    monkeypatch.setattr(hf_integration, "_wrap", failing_second)
+    assert hf_integration.install() is False
+    assert not hf_integration.installed()
+    assert {n: PreTrainedModel.__dict__[n] for n in uninstalled} == uninstalled
+    assert "cannot wrap _initialize_missing_keys" in standaside.REASONS["transformers"]
+    monkeypatch.setattr(hf_integration, "_wrap", wrap)
+    assert hf_integration.install() and "transformers" not in standaside.REASONS
+
+
+def _unchanged_key(source_key, weight_renamings, weight_converters, base_model_prefix, meta_state_dict,
+                   reverse=False):
+    return source_key, None
+
+
+def _concatenate_backwards(self, input_dict, source_patterns, target_patterns, **kwargs):
+    parts = [input_dict.pop(p) for p in reversed(source_patterns) if p in input_dict]
+    return {target_patterns[0]: torch.cat(parts, dim=self.dim)}
+
+
+def _normal_ignoring_the_flag(tensor, mean=0.0, std=1.0, generator=None):
+    return tensor.normal_(mean, std, generator=generator)
+
+
+# (module, attribute, replacement, what the reason names): behaviours the patch relies on, each changed alone.
+CHANGED_BEHAVIOURS = [
+    ("transformers.core_model_loading", "rename_source_key", _unchanged_key, "renames a per-expert key otherwise"),
+    ("transformers.core_model_loading", "dot_natural_key", str, "dot_natural_key"),
+    ("transformers.core_model_loading:Concatenate", "convert", _concatenate_backwards, "MergeModulelist(0) then"),
+    ("transformers.initialization", "normal_", _normal_ignoring_the_flag, "does not skip a flagged tensor"),
+]
+
+
+@pytest.mark.parametrize("owner, name, replacement, named", CHANGED_BEHAVIOURS,
+                         ids=[f"{o.rsplit('.', 1)[-1]}.{n}" for o, n, _, _ in CHANGED_BEHAVIOURS])
+def test_a_changed_behaviour_is_unknown(owner, name, replacement, named, monkeypatch):
+    """The behaviour checks run transformers' own code on tiny inputs: a transformers whose key matching, conversion
+    ops or init flag act otherwise than the ones read is not patched, and the reason says which."""
+    import importlib
+
+    from ztriton.integrations.transformers import internals
+
+    module, _, attribute = owner.partition(":")
+    target = importlib.import_module(module)
+    monkeypatch.setattr(getattr(target, attribute) if attribute else target, name, replacement)
+    found = internals.detect()
+    assert isinstance(found, str) and named in found, found
+
+
+class _CustomLlama(LlamaForCausalLM):
+    """A model class outside transformers (custom code in 5.24's and 5.25's sense, not in 5.12.1's)."""
+
+
+def test_the_custom_code_flag_is_the_one_initialize_weights_hands_on(monkeypatch):
+    """The adapter picked for the installed transformers gives the flag its own initialize_weights passes to
+    _initialize_weights, for a model class defined outside transformers and one inside."""
+    from ztriton.integrations.transformers import internals
+
+    found = internals.detect()
+    assert not isinstance(found, str), found
+    for model_class in (_CustomLlama, LlamaForCausalLM):
+        model = model_class(hf_models.config("llama"))
+        passed = []
+        monkeypatch.setattr(model_class, "_initialize_weights",
+                            lambda self, module, flag=False: passed.append(flag), raising=False)
+        model.initialize_weights()
         monkeypatch.undo()
-        standaside.REASONS.pop("transformers", None)
-        assert hf_integration.install()
+        assert passed and set(passed) == {found.custom_code(model)}, (model_class, passed)
+
+
+def test_the_adapters_follow_what_transformers_has(monkeypatch):
+    """is_custom_code with its parameter name picks model.is_custom_code; without both, is_remote_code; a mix is
+    unknown. A LoadStateDictInfo field outside the ones known is unknown too."""
+    import dataclasses
+
+    from transformers.utils import loading_report
+
+    from ztriton.integrations.transformers import internals
+
+    def initialize(name):
+        namespace: dict = {}
+        exec(f"def _initialize_weights(self, module, {name}=False): pass", namespace)
+        return namespace["_initialize_weights"]
+
+    has_custom = "is_custom_code" in vars(PreTrainedModel)
+    cases = [("is_custom_code", True, internals._is_custom_code), ("is_remote_code", False, internals._is_remote_code),
+             ("is_remote_code", True, None), ("is_custom_code", False, None)]
+    for parameter, custom, want in cases:
+        monkeypatch.setattr(PreTrainedModel, "_initialize_weights", initialize(parameter))
+        if custom and not has_custom:
+            monkeypatch.setattr(PreTrainedModel, "is_custom_code", classmethod(lambda cls: False), raising=False)
+        elif not custom and has_custom:
+            monkeypatch.delattr(PreTrainedModel, "is_custom_code")
+        found = internals.detect()
+        if want is None:
+            assert isinstance(found, str) and "_initialize_weights" in found, (parameter, custom, found)
+        else:
+            assert not isinstance(found, str) and found.custom_code is want, (parameter, custom, found)
+        monkeypatch.undo()
+
+    info = internals.detect()
+    fields = {f.name for f in dataclasses.fields(loading_report.LoadStateDictInfo)}
+    assert set(info.report_extras) == fields - internals.REPORT_FIELDS
+    made = info.loading_info(missing_keys={"a"}, unexpected_keys=set(), mismatched_keys=set(), error_msgs=[],
+                             conversion_errors={})
+    assert isinstance(made, loading_report.LoadStateDictInfo) and made.missing_and_mismatched() == {"a"}
+    extended = dataclasses.make_dataclass("LoadStateDictInfo", [("pipeline_owner", dict, dataclasses.field(
+        default_factory=dict))], bases=(loading_report.LoadStateDictInfo,))
+    monkeypatch.setattr(loading_report, "LoadStateDictInfo", extended)
+    found = internals.detect()
+    assert isinstance(found, str) and "pipeline_owner" in found, found
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -565,7 +719,7 @@ def _from_pretrained_on_gloo_rank(rank: int, world_size: int, paths: dict[str, s
 
 
 # (world size, models): uneven splits (the last rank's partitions padded) of a fused-expert Mixtral and a Llama.
-GLOO_WORLDS = [(2, ("mixtral", "llama")), (3, ("mixtral",))]
+GLOO_WORLDS = [(2, ("mixtral", "llama")), (3, ("mixtral", "llama"))]
 
 
 @pytest.fixture(scope="module")
@@ -608,6 +762,8 @@ def test_key_on_on_every_rank_of_a_gloo_world_is_the_slice_and_key_off(world_siz
                 assert partition.numel() == off["partitions"][param].numel() == size, (where, param)
                 expected = bits(want[param].to(partition.dtype)).reshape(-1)[start:start + count]
                 assert torch.equal(bits(partition)[:count], expected), f"{where}: {param} is not the rank's slice"
+                assert torch.equal(bits(off["partitions"][param])[:count], expected), \
+                    f"{where}: {param}: key off (DeepSpeed's own gathers) is not the rank's slice"
                 assert torch.equal(bits(partition)[:count], bits(off["partitions"][param])[:count]), \
                     f"{where}: {param} differs from key off"
                 assert not bits(partition)[count:].any(), f"{where}: {param}'s padding is not zero"

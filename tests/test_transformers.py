@@ -9,14 +9,16 @@ partition must be this rank's slice of the saved checkpoint: rank r owns flat el
 the end of the last rank's slice is padding that DeepSpeed leaves uninitialised, so it is not compared).
 
 How the values get there: transformers builds the model under ``no_init_weights`` (params hold whatever
-``torch.empty`` gave), then for each module gathers its params, lets global rank 0 copy the checkpoint in,
-and re-partitions with a broadcast from rank 0. So:
+``torch.empty`` gave). Key off, it then gathers each module's params, lets global rank 0 copy the checkpoint in,
+and re-partitions with a broadcast from rank 0; key on, ztriton's shard-on-read reads each rank's slices and
+gathers nothing (every load asserts which of the two ran: :func:`check_ran`). So, for key off:
 
 * in a world of one, and on rank 0 of a simulated world (torch's fake process group), each partition is
   read straight from the checkpoint: values are checked there;
 * on any other simulated rank the broadcast moves nothing and the partition keeps uninitialised memory,
   so only the ZeRO-3 attributes are compared (bits would be noise);
-* a real gloo world of two processes checks the values on every rank, padding included (odd numels).
+* a real gloo world of two and of three processes checks the values on every rank, padding included (odd
+  numels).
 
 The Mixtral case has fused 3-D expert params, the largest tensors of the model (checked), and sets
 ``"ztriton": {"host_init_bytes": <the smallest expert param>}`` so that exactly the expert params are
@@ -26,7 +28,7 @@ nothing is drawn); that is asserted from the DEBUG lines of logger ``"ztriton"``
 The Zamba case: an fp32 param built inside a bf16 ``zero.Init`` (Zamba's ``A_log``) ends up bf16 with
 DeepSpeed's own partitioning; the key must do the same (it once failed there: a pack from fp32 into bf16).
 
-Values that ztriton writes at ``zero.Init`` time are never observable here (transformers overwrites every
+Values that ztriton writes at ``zero.Init`` time are never observable here (the load overwrites every
 partition from the checkpoint); what these tests see is where ztriton put the partitions (offsets and aliasing
 in its per-rank buffers, attributes, dtype), that DeepSpeed's gather and re-partition work on them, and
 which params were initialised shard by shard.
@@ -239,10 +241,48 @@ class Loaded:
     full: torch.Tensor | None  # the gathered parameter (real worlds only)
 
 
-def load(path: Path, backend: str, host_init_bytes: int | None = None, gather: bool = False) -> dict[str, Loaded]:
-    """``from_pretrained(path)`` under ZeRO-3 with ``backend``, in the current world."""
-    with hf_zero3(ds_config(backend, host_init_bytes)):
+@dataclass(frozen=True)
+class Ran:
+    """What one from_pretrained did: ztriton's shard-on-read loads (calls of ``ztriton.loading.load_into``) and
+    the ``GatheredParameters`` contexts entered (transformers' own ZeRO-3 path gathers every module's params)."""
+
+    reads: int
+    gathers: int
+
+
+SHARD_ON_READ = Ran(reads=1, gathers=0)  # key on: one shard-on-read load, nothing gathered
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[list[str]]:
+    """Records "read" for each shard-on-read load and "gather" for each GatheredParameters entered, meanwhile."""
+    from ztriton import loading
+
+    seen: list[str] = []
+    load_into, gathered = loading.load_into, deepspeed.zero.GatheredParameters
+
+    def reading(*args, **kwargs):
+        seen.append("read")
+        return load_into(*args, **kwargs)
+
+    class Counted(gathered):
+        def __init__(self, *args, **kwargs):
+            seen.append("gather")
+            super().__init__(*args, **kwargs)
+
+    loading.load_into, deepspeed.zero.GatheredParameters = reading, Counted
+    try:
+        yield seen
+    finally:
+        loading.load_into, deepspeed.zero.GatheredParameters = load_into, gathered
+
+
+def load(path: Path, backend: str, host_init_bytes: int | None = None, gather: bool = False
+         ) -> tuple[dict[str, Loaded], Ran]:
+    """``from_pretrained(path)`` under ZeRO-3 with ``backend``, in the current world: each param, and what ran."""
+    with hf_zero3(ds_config(backend, host_init_bytes)), watching() as seen:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE)
+    ran = Ran(reads=seen.count("read"), gathers=seen.count("gather"))
     full = {}
     if gather:
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -251,7 +291,15 @@ def load(path: Path, backend: str, host_init_bytes: int | None = None, gather: b
                       partition_numel=p.ds_tensor.ds_numel, partition_dtype=p.ds_tensor.dtype,
                       data_numel=p.data.numel(), status=p.ds_status.name,
                       partition=p.ds_tensor.detach().to("cpu", copy=True), full=full.get(n))
-            for n, p in model.named_parameters()}
+            for n, p in model.named_parameters()}, ran
+
+
+def check_ran(backend: str, ran: Ran) -> None:
+    """Key on read shard-on-read and gathered nothing; key off was transformers' own path (it gathers)."""
+    if backend == "triton":
+        assert ran == SHARD_ON_READ, ran
+    else:
+        assert ran.reads == 0 and ran.gathers > 0, ran
 
 
 def in_model_dtype(tensor: torch.Tensor) -> torch.Tensor:
@@ -284,8 +332,8 @@ def check_values(off: dict[str, Loaded], on: dict[str, Loaded], checkpoint: Chec
     for name, a in off.items():
         want = rank_slice(checkpoint.params[name], world_size, rank)
         valid = want.numel()
-        assert torch.equal(bits(on[name].partition)[:valid], bits(a.partition)[:valid]), (name, rank)
-        assert torch.equal(bits(on[name].partition)[:valid], want), (name, rank)
+        assert torch.equal(bits(on[name].partition)[:valid], want), (name, rank, "key on")
+        assert torch.equal(bits(a.partition)[:valid], want), (name, rank, "key off (DeepSpeed's own gathers)")
         if a.full is not None:  # gathered from every rank's partition
             want = bits(in_model_dtype(checkpoint.params[name]))
             assert torch.equal(bits(a.full), want), (name, rank, "key off, gathered")
@@ -310,7 +358,8 @@ def test_llama_from_pretrained_key_on_matches_key_off_and_checkpoint(checkpoints
         for backend in ("torch", "triton"):
             with fake_world(world_size, rank), caplog.at_level(logging.DEBUG, logger="ztriton"):
                 caplog.clear()
-                loaded[backend] = load(checkpoint.path, backend)
+                loaded[backend], ran = load(checkpoint.path, backend)
+            check_ran(backend, ran)
             used = [r for r in caplog.records if "zero.Init partitions through ztriton" in r.getMessage()]
             partitions = [r for r in caplog.records if r.getMessage().startswith("ztriton partition:")]
             if backend == "triton":  # the key reached the zero.Init that transformers entered
@@ -333,7 +382,8 @@ def test_mixtral_from_pretrained_shards_the_experts_init_and_loads_the_same(chec
         for backend in ("torch", "triton"):
             with fake_world(world_size, rank), caplog.at_level(logging.DEBUG, logger="ztriton"):
                 caplog.clear()
-                loaded[backend] = load(checkpoint.path, backend, host_init_bytes=threshold)
+                loaded[backend], ran = load(checkpoint.path, backend, host_init_bytes=threshold)
+            check_ran(backend, ran)
             sharded = sharded_params(caplog)
             fallbacks = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]
             if backend == "triton":  # every expert param, and nothing else, was a placeholder; none fell back
@@ -355,7 +405,8 @@ def test_zamba_fp32_param_in_a_bf16_zero_init_loads_the_same(checkpoints, fake_w
     loaded = {}
     for backend in ("torch", "triton"):
         with fake_world(1, 0):
-            loaded[backend] = load(checkpoint.path, backend)
+            loaded[backend], ran = load(checkpoint.path, backend)
+        check_ran(backend, ran)
     check_attributes(loaded["torch"], loaded["triton"], checkpoint, 1)
     check_values(loaded["torch"], loaded["triton"], checkpoint, 1, 0)
 
@@ -381,16 +432,22 @@ def _load_both(rank: int, world_size: int, paths: dict[str, str], thresholds: di
 
 
 @pytest.mark.slow
-def test_from_pretrained_key_on_matches_key_off_and_checkpoint_on_every_rank_on_gloo(checkpoints, gloo_world):
-    """Real collectives: rank 0's checkpoint values reach rank 1, whose slices (with padding) are checked too."""
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_from_pretrained_key_on_matches_key_off_and_checkpoint_on_every_rank_on_gloo(checkpoints, gloo_world,
+                                                                                      world_size):
+    """Real collectives: rank 0's checkpoint values reach the other ranks, whose slices (with padding) are checked
+    too; on every rank key on read shard-on-read and gathered nothing."""
     thresholds = {"llama": None, "mixtral": expert_threshold(checkpoints["mixtral"].params)}
     paths = {name: str(checkpoints[name].path) for name in thresholds}
-    results = gloo_world(_load_both, 2, paths, thresholds, timeout=240.0)
+    results = gloo_world(_load_both, world_size, paths, thresholds, timeout=240.0)
     padded = 0
     for rank, result in enumerate(results):
         for name in thresholds:
-            checkpoint, off, on = checkpoints[name], result[name]["torch"], result[name]["triton"]
-            check_attributes(off, on, checkpoint, 2)
-            check_values(off, on, checkpoint, 2, rank)
-            padded += sum(rank == 1 and p.ds_numel % 2 == 1 for p in on.values())
+            (off, ran_off), (on, ran_on) = result[name]["torch"], result[name]["triton"]
+            check_ran("torch", ran_off)
+            check_ran("triton", ran_on)
+            checkpoint = checkpoints[name]
+            check_attributes(off, on, checkpoint, world_size)
+            check_values(off, on, checkpoint, world_size, rank)
+            padded += sum(rank == world_size - 1 and p.ds_numel % world_size != 0 for p in on.values())
     assert padded >= 4, "odd-sized params (a padded last partition) were meant to be covered"

@@ -2,97 +2,74 @@
 
 :func:`install` replaces two methods of ``transformers.PreTrainedModel`` (see :mod:`.patch`):
 ``_load_pretrained_model`` and ``_initialize_missing_keys``. Each calls transformers' own method unless the
-ZeRO-3 config transformers holds has the key, so without it nothing changes. It is done only for a transformers
-whose internals are known (read from the sources of 5.17 and 5.24); any other version is left alone with one
-log line.
+ZeRO-3 config transformers holds has the key, so without it nothing changes. It is done only where every internal
+the patch relies on is the one read (:mod:`.internals`: the sources of transformers 5.12.1, 5.24.0 and 5.25.0,
+found by looking, not by version number); elsewhere ztriton stands aside
+(:func:`ztriton.integrations.standaside.stand_aside`) and says so once, on rank 0, when a DeepSpeed config with the
+key is read.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from typing import Any, Callable
+
+from . import internals
 
 logger = logging.getLogger("ztriton")
 
 __all__ = ["install", "uninstall", "installed", "unsupported_reason"]
 
-# Versions whose loading path was read: 5.17 (the GPU machine) to 5.24 (CI). Outside this range the internals
-# differ or are unknown.
-KNOWN_VERSIONS = ((5, 17), (5, 24))
-
 # (owner, name) -> transformers' attribute as found in the class __dict__ (a staticmethod object stays one).
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
-def _version(text: str) -> tuple[int, int] | None:
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
 def unsupported_reason() -> str | None:
     """Why the installed transformers cannot be patched, or None when it can."""
-    import transformers
-
-    version = _version(transformers.__version__)
-    if version is None or not KNOWN_VERSIONS[0] <= version <= KNOWN_VERSIONS[1]:
-        low, high = (".".join(map(str, v)) for v in KNOWN_VERSIONS)
-        return f"transformers {transformers.__version__} is outside the versions whose loading path is known ({low} to {high})"
-    try:
-        from transformers import core_model_loading
-        from transformers.integrations import deepspeed as hf_deepspeed
-        from transformers.modeling_utils import PreTrainedModel
-        from transformers.utils.loading_report import LoadStateDictInfo
-    except ImportError as exc:
-        return f"transformers {transformers.__version__} lacks a module ztriton uses ({exc})"
-    expected = {
-        (PreTrainedModel, "_load_pretrained_model"): ["model", "state_dict", "checkpoint_files", "load_config",
-                                                      "expected_keys"],
-        (PreTrainedModel, "_initialize_missing_keys"): ["self", "is_quantized"],
-        (PreTrainedModel, "_init_weights"): ["self", "module"],
-        (PreTrainedModel, "_initialize_weights"): ["self", "module", "is_custom_code"],
-        (core_model_loading, "rename_source_key"): ["source_key", "weight_renamings", "weight_converters",
-                                                    "base_model_prefix", "meta_state_dict", "reverse"],
-        (hf_deepspeed, "_load_state_dict_into_zero3_model"): ["model_to_load", "state_dict", "load_config"],
-    }
-    for (owner, name), params in expected.items():
-        function = getattr(owner, name, None)
-        if function is None or list(inspect.signature(function).parameters) != params:
-            return f"transformers {transformers.__version__}: {getattr(owner, '__name__', owner)}.{name} is not the one known"
-    names = ("WeightConverter", "WeightRenaming", "MergeModulelist", "Concatenate", "dot_natural_key")
-    if not all(hasattr(core_model_loading, n) for n in names) or not hasattr(LoadStateDictInfo, "missing_and_mismatched"):
-        return f"transformers {transformers.__version__}: core_model_loading lacks one of {list(names)}"
-    if not hasattr(hf_deepspeed, "deepspeed_config") or not hasattr(hf_deepspeed, "is_deepspeed_zero3_enabled"):
-        return f"transformers {transformers.__version__}: integrations.deepspeed lacks deepspeed_config"
-    return None
+    found = internals.detect()
+    return found if isinstance(found, str) else None
 
 
 def install() -> bool:
-    """Route ``from_pretrained`` under ZeRO-3 with the key through ztriton. Idempotent. Returns whether it is
-    installed (False, with one log line, for a transformers whose internals are not known)."""
+    """Route ``from_pretrained`` under ZeRO-3 with the key through ztriton. Idempotent; all or none. Returns
+    whether it is installed (False where transformers' internals are not the ones known, or a wrap failed: then
+    nothing is replaced and ztriton stands aside)."""
     if _ORIGINALS:
         return True
-    reason = unsupported_reason()
-    if reason is not None:
-        from ztriton.integrations.standaside import stand_aside
+    found = internals.detect()
+    if isinstance(found, str):
+        return _stand_aside(found)
+    try:
+        _install_all(found)
+    except Exception as exc:  # noqa: BLE001 -- a wrap that fails means internals ztriton does not know
+        uninstall()
+        return _stand_aside(f"its methods could not be replaced ({type(exc).__name__}: {exc})")
+    from ztriton.integrations.standaside import REASONS
 
-        stand_aside("transformers", f"{reason}; from_pretrained under ZeRO-3 uses its own loading")
-        return False
+    REASONS.pop("transformers", None)  # a reason from an earlier attempt no longer holds
+    return True
+
+
+def _install_all(found: internals.Internals) -> None:
     from transformers.modeling_utils import PreTrainedModel
 
     from . import patch
 
+    patch.INTERNALS = found
     _wrap(PreTrainedModel, "_load_pretrained_model", patch.load_pretrained_model, static=True)
     _wrap(PreTrainedModel, "_initialize_missing_keys", patch.initialize_missing_keys)
-    return True
+
+
+def _stand_aside(reason: str) -> bool:
+    from ztriton.integrations.standaside import stand_aside
+
+    stand_aside("transformers", f"{reason}; from_pretrained under ZeRO-3 uses its own loading")
+    return False
 
 
 def uninstall() -> None:
     """Put transformers' methods back."""
-    for (owner, name), original in _ORIGINALS.items():
+    for (owner, name), original in reversed(list(_ORIGINALS.items())):
         setattr(owner, name, original)
     _ORIGINALS.clear()
 
@@ -103,7 +80,6 @@ def installed() -> bool:
 
 def _wrap(owner: type, name: str, wrapper: Callable, static: bool = False) -> None:
     raw = owner.__dict__[name]
-    _ORIGINALS[(owner, name)] = raw
     original = raw.__func__ if static else raw
 
     @functools.wraps(original)
@@ -111,3 +87,4 @@ def _wrap(owner: type, name: str, wrapper: Callable, static: bool = False) -> No
         return wrapper(original, *args, **kwargs)
 
     setattr(owner, name, staticmethod(patched) if static else patched)
+    _ORIGINALS[(owner, name)] = raw

@@ -9,8 +9,10 @@ sources (``Key`` / ``Stack`` / ``Concat``) so that a rank's partition window can
 the checkpoint without materialising the fused tensor.
 
 Keys are matched exactly as ``core_model_loading.convert_and_load_state_dict_in_model`` matches them (its
-``rename_source_key``, the same fallback to the unrenamed key, checkpoint keys in ``dot_natural_key`` order,
-which is the order ``MergeModulelist`` stacks them in). Only ops that rearrange bytes are mapped:
+``rename_source_key``, the same fallback to the unrenamed key, checkpoint keys in ``dot_natural_key`` order, which
+is the order ``MergeModulelist`` stacks them in); that function is the same in this respect in transformers 5.12.1,
+5.24.0 and 5.25.0 (read from their sources), and :mod:`.internals` checks that the installed one still behaves so.
+Only ops that rearrange bytes are mapped:
 ``MergeModulelist`` -> ``Stack`` and ``Concatenate`` -> ``Concat``, interpreted as their ``convert`` does (see
 ``_apply``). Any other op (``Chunk``, ``Transpose``, ``PermuteForRope``, a quantizer's, a model's own) leaves the
 param to transformers' own path: its source is reported in ``DerivedSources.fallback`` and one line is logged.

@@ -1,10 +1,10 @@
 """transformers' ``from_pretrained`` under ZeRO-3, through ztriton's shard-on-read loader when the key is on.
 
-transformers (5.17 to 5.24, read from their sources) builds the model under ``zero.Init`` + ``no_init_weights``,
-then in the ZeRO-3 branch of ``PreTrainedModel._load_pretrained_model`` loads every checkpoint file (on every
-rank in 5.17; 5.24 reads values on rank 0 only, meta tensors elsewhere) and hands the state dict to
-``integrations.deepspeed._load_state_dict_into_zero3_model``, which gathers each module's params whole on every
-rank (``GatheredParameters``, modifier rank 0), lets rank 0 copy, and re-partitions by broadcast.
+transformers (5.12.1, 5.17, 5.24.0 and 5.25.0, read from their sources) builds the model under ``zero.Init`` +
+``no_init_weights``, then in the ZeRO-3 branch of ``PreTrainedModel._load_pretrained_model`` loads every checkpoint
+file (on every rank in 5.12.1 and 5.17; 5.24 and 5.25 read values on rank 0 only, meta tensors elsewhere) and hands
+the state dict to ``integrations.deepspeed._load_state_dict_into_zero3_model``, which gathers each module's params
+whole on every rank (``GatheredParameters``, modifier rank 0), lets rank 0 copy, and re-partitions by broadcast.
 ``_finalize_model_loading`` then initialises the missing keys in ``_initialize_missing_keys`` by gathering all of
 them at once.
 
@@ -21,6 +21,9 @@ With ``"partition_backend": "triton"`` in the ZeRO-3 config transformers holds, 
   ``_keys_to_ignore_on_load_*``, the report and its errors).
 * ``PreTrainedModel._initialize_missing_keys``: one param gathered at a time (see :func:`_initialize_missing`),
   with transformers' own ``_init_weights``, so that the values are those the key-off path gives.
+
+Where those versions differ in what this module uses (the custom-code flag, the report's fields), it goes through
+the adapters :mod:`.internals` picked for the installed transformers (:data:`INTERNALS`, set by ``install()``).
 
 Anything else (key off, quantized models, a state dict or ``.bin`` files given, hpZ secondary partitions or NVMe
 offload of a partition) is transformers' own code, with one log line where the key asked for ztriton.
@@ -39,10 +42,14 @@ from ztriton.integrations.deepspeed import report as ds_report
 from ztriton.loading import Checkpoint, Target
 
 from .conversion import derive_sources
+from .internals import Internals
 
 logger = logging.getLogger("ztriton")
 
 FLAG = "_is_hf_initialized"  # transformers' mark of a tensor (or module) that holds its final values
+
+# The adapters for the installed transformers; install() sets them before it replaces a method.
+INTERNALS: Internals | None = None
 
 
 # ---------------------------------------------------------------------------------------------- the key
@@ -100,8 +107,6 @@ def _unsupported_reason(model, state_dict, checkpoint_files, load_config, expect
 
 
 def _load_shard_on_read(model, checkpoint_files: list[str], load_config):
-    from transformers.utils.loading_report import LoadStateDictInfo
-
     checkpoint = open_checkpoint(checkpoint_files)
     tensors = model.state_dict(keep_vars=True)  # the params and persistent buffers themselves (flags live on them)
     derived = derive_sources(tensors.keys(), checkpoint.keys(), load_config.weight_mapping, model.base_model_prefix)
@@ -134,9 +139,8 @@ def _load_shard_on_read(model, checkpoint_files: list[str], load_config):
         setattr(tensors[name], FLAG, True)
     if load_config.weight_mapping:  # as transformers' ZeRO-3 path: kept for save_pretrained's reverse conversion
         model._weight_conversions = load_config.weight_mapping
-    return LoadStateDictInfo(missing_keys=set(tensors) - loaded, unexpected_keys=set(derived.unexpected),
-                             mismatched_keys=mismatched, error_msgs=error_msgs, conversion_errors={},
-                             skipped_pp_keys=set())
+    return INTERNALS.loading_info(missing_keys=set(tensors) - loaded, unexpected_keys=set(derived.unexpected),
+                                  mismatched_keys=mismatched, error_msgs=error_msgs, conversion_errors={})
 
 
 def open_checkpoint(checkpoint_files: list[str]) -> Checkpoint:
@@ -217,11 +221,12 @@ def _rank() -> int:
 
 def _load_through_transformers(model, checkpoint: Checkpoint, fallback: dict[str, list[str]], load_config):
     """transformers' own ZeRO-3 loading for the params ztriton cannot map: rank 0 reads only their checkpoint
-    tensors (the other ranks get meta tensors, as transformers 5.24 gives them), converted and gathered by
+    tensors, the other ranks get meta tensors (as transformers 5.24 and 5.25 give them; 5.12.1's
+    ``_load_state_dict_into_zero3_model`` copies param values on rank 0 only as well), converted and gathered by
     ``_load_state_dict_into_zero3_model``. Returns its error messages and the model keys it loaded.
 
-    A buffer's checkpoint tensors are read on every rank: transformers 5.17 copies buffers on every rank (from a
-    meta tensor it would fail), 5.24 broadcasts rank 0's (the other ranks' values are not used)."""
+    A buffer's checkpoint tensors are read on every rank: transformers 5.12.1 and 5.17 copy buffers on every rank
+    (from a meta tensor it would fail), 5.24 and 5.25 broadcast rank 0's (the other ranks' values are not used)."""
     from safetensors import safe_open
     from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
 
@@ -305,7 +310,7 @@ def _initialize_missing(model) -> None:
     from transformers import initialization
     from transformers.modeling_utils import PreTrainedModel
 
-    is_custom_code = model.is_custom_code()
+    is_custom_code = INTERNALS.custom_code(model)  # the flag initialize_weights hands to _initialize_weights
 
     def visit(module: torch.nn.Module, owner) -> None:
         for child in module.children():
