@@ -4,7 +4,6 @@ Importing this package is cheap (standard library only): the installed distribut
 (``ztriton-autoload.pth``) imports it in every interpreter so that the DeepSpeed config key works
 without ``import ztriton``; ``ZTRITON_AUTOLOAD=0`` turns that off.
 """
-import importlib.util as _util
 import os as _os
 import sys as _sys
 
