@@ -132,7 +132,10 @@ def _timed_flattens(out: dict, sync):
 TRACED_MODULES = ["ztriton.integrations.deepspeed.optimizers", "ztriton.integrations.deepspeed.report",
                   "ztriton.flatten.groups", "ztriton.flatten.tiers", "ztriton.defragmenting", "ztriton.comm",
                   "ztriton.memory", "ztriton.policy", "ztriton.layout", "ztriton.staging", "ztriton.kernels",
-                  "ztriton.kernels.ops", "ztriton.kernels.turns", "ztriton.kernels.plan"]
+                  "ztriton.kernels.ops", "ztriton.kernels.turns", "ztriton.kernels.plan", "ztriton.kernels.checks",
+                  "ztriton.kernels.pieces", "ztriton.kernels.validation", "ztriton.kernels.state",
+                  "ztriton.kernels.launch", "ztriton.kernels.tables", "ztriton.kernels.torch_route",
+                  "ztriton.kernels.words"]
 # torch's calls the flatten's torch route makes, each the first in a fresh process (kernel loading, first dispatch).
 TRACED_TORCH = ("torch._foreach_copy_", "torch._foreach_zero_", "torch.Tensor.copy_", "torch.Tensor.zero_",
                 "torch.Tensor.split", "torch.Tensor.view", "torch.Tensor.as_strided", "torch.Tensor.narrow",

@@ -133,14 +133,14 @@ def plot_ratios(path: Path, title: str, labels: list[str], series: dict[str, lis
 def kernel_launches_skipped():
     """Inside: plans are made (checks, tables, uploads) but nothing is launched, so only host time is
     left to measure; the buffers' contents are then garbage."""
-    from ztriton.kernels import plan
+    from ztriton.kernels.launch import Plan
 
-    original = plan.Plan._launch_all
-    plan.Plan._launch_all = lambda self: None
+    original = Plan._launch_all
+    Plan._launch_all = lambda self: None
     try:
         yield
     finally:
-        plan.Plan._launch_all = original
+        Plan._launch_all = original
 
 
 def free_device_memory() -> None:

@@ -84,8 +84,7 @@ def _host_ms(fn, reps: int = 7) -> float:
 
 def case(shapes, profile: bool) -> dict:
     import ztriton
-    from ztriton.kernels import pack_plan
-    from ztriton.kernels.plan import KERNELS_ONLY
+    from ztriton.kernels import KERNELS_ONLY, pack_plan
     from ztriton.testing import deepspeed_flatten, simulated_world
 
     sources = [torch.randn(*s, device=DEVICE).to(torch.bfloat16) for s in shapes]
@@ -154,12 +153,12 @@ def case(shapes, profile: bool) -> dict:
     del params, flat, out_u8, out_bf16, out_i64
 
     # The whole device tier, after the kernels were loaded above: KERNELS_LOADED decides its path.
-    from ztriton.kernels import plan as plan_module
-    loaded = set(plan_module.LOADED)
+    from ztriton.kernels import state as kernel_state
+    loaded = set(kernel_state.LOADED)
     with simulated_world(8, 3):
         for label, state in (("flatten_torch_copies", set()), ("flatten_kernels", loaded)):
-            plan_module.LOADED.clear()
-            plan_module.LOADED.update(state)
+            kernel_state.LOADED.clear()
+            kernel_state.LOADED.update(state)
             samples = []
             for _ in range(6):
                 group = [torch.nn.Parameter(s) for s in sources]  # read, then re-pointed: sources stay

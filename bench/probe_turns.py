@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_kernels import group_layout, make_params  # noqa: E402
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402
 from ztriton.kernels import KERNELS_ONLY, make_plan, pack, pack_plan  # noqa: E402
-from ztriton.kernels.plan import pack_pieces  # noqa: E402
+from ztriton.kernels.pieces import pack_pieces  # noqa: E402
 from ztriton.kernels import turns as turns_module  # noqa: E402
 
 

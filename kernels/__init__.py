@@ -1,8 +1,12 @@
 """Triton kernels and their launch functions. Installed as ``ztriton.kernels``; knows nothing of ZeRO.
 
-* ``copy.py``: the jit kernels. ``plan.py``: validation, pieces -> launch tables (:class:`Plan`,
-  :class:`Tuning`). ``ops.py``: the launch functions. ``reference.py``: the same functions in torch,
-  the fallback and the tests' oracle.
+* ``ops.py``: the launch functions below. ``reference.py``: the same functions in torch, the fallback and
+  the tests' oracle. ``turns.py``: a copy into a fresh buffer, checked and copied in turns.
+* ``plan.py``: pieces -> a :class:`Plan` (``launch.py``), after every check (``checks.py``, ``validation.py``)
+  of the :class:`Piece` list (``pieces.py``), by torch's route (``torch_route.py``) or the kernels' launch
+  tables (``tables.py``, ``words.py``), with a :class:`Tuning` (``tuning.py``). ``copy.py``: the jit kernels,
+  imported on the first launch (``state.py``: that, the interpreter, which devices have loaded them).
+  ``warmup.py``: their first load in a background thread.
 * :func:`copy_chunk` -- elements ``[start, start + count)`` of any strided tensor into a contiguous one.
 * :func:`pack` -- many tensors into one flat layout at given offsets, zeros between; ``window=``
   writes only one range of that layout (one rank's partition).
@@ -33,7 +37,11 @@ def _hand_over_top_level_name() -> bool:
 
 if __name__ != "kernels" or not _hand_over_top_level_name():
     from .ops import copy_chunk, pack, pack_plan, pack_slices
-    from .plan import KERNELS_ONLY, Piece, Plan, Tuning, byte_extent, byte_extents, make_plan, run_plan, uncovered
+    from .checks import byte_extent, byte_extents
+    from .launch import Plan
+    from .pieces import Piece, uncovered
+    from .plan import make_plan, run_plan
+    from .tuning import KERNELS_ONLY, Tuning
     from .reference import bits, torch_copy_chunk, torch_pack, torch_pack_slices, torch_run
 
 __all__ = ["KERNELS_ONLY", "Piece", "Plan", "Tuning", "bits", "byte_extent", "byte_extents", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices",

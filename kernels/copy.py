@@ -1,6 +1,6 @@
 """Triton kernels that move bytes: word copies of contiguous parts and tile gathers of strided ones.
 
-Both kernels read a small table built in ``kernels/plan.py``: one row per part
+Both kernels read a small table built in ``kernels/tables.py``: one row per part
 (a contiguous byte range, or a strided source) plus a prefix sum of the programs each part needs.
 Each program finds its part by binary search in that prefix sum, so the host never writes one row
 per chunk or per tile, and one launch serves any number of tensors. Sources are named by raw device
@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 
 from .descriptor import DESC_HEAD, DESC_ROW, MAX_DIMS  # noqa: F401  (DESC_ROW: the kernels' row width)
+
+__all__ = ["copy_words_kernel", "gather_tile_kernel"]
 
 
 @triton.jit
@@ -31,7 +33,7 @@ def _find_part(first_ptr, n_parts, pid):
 # multiples of 16 (integer arguments' value classes), multiplying the first-call compiles by three for
 # a value the kernels only search over.
 @triton.jit(do_not_specialize=["n_parts"])
-def _copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, VEC: tl.constexpr,
+def copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, VEC: tl.constexpr,
                        BLOCK: tl.constexpr, CHUNK: tl.constexpr, STREAM: tl.constexpr):
     """Move one ``CHUNK``-word chunk of one part: copy from ``src_addr``, or zeros if it is 0.
 
@@ -67,7 +69,7 @@ def _copy_words_kernel(parts_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexp
 
 
 @triton.jit(do_not_specialize=["n_parts"])
-def _gather_tile_kernel(desc_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, MAX_DIMS: tl.constexpr,
+def gather_tile_kernel(desc_ptr, first_ptr, n_parts, dst_ptr, WORD: tl.constexpr, MAX_DIMS: tl.constexpr,
                         DESC_HEAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                         P_UNIT: tl.constexpr, C_UNIT: tl.constexpr, SRC_ALIGN: tl.constexpr,
                         DST_ALIGN: tl.constexpr, SIZE_ALIGN: tl.constexpr, SMALL: tl.constexpr):

@@ -1,6 +1,6 @@
 """The launch functions: strided chunk copy, multi-tensor pack, its window form, and slices.
 
-Each builds a :class:`~ztriton.kernels.plan.Plan` (validated before any byte is written) and launches
+Each builds a :class:`~ztriton.kernels.launch.Plan` (validated before any byte is written) and launches
 it. :mod:`ztriton.kernels.reference` does the same in plain torch: the fallback where the kernels
 cannot run, and the tests' oracle.
 """
@@ -10,7 +10,11 @@ from typing import Sequence
 
 import torch
 
-from .plan import Piece, Plan, Tuning, as_index, check_dst, make_plan, pack_pieces, run_plan, slices_to_pieces
+from .checks import as_index, check_dst
+from .launch import Plan
+from .pieces import Piece, pack_pieces, slices_to_pieces
+from .plan import make_plan, run_plan
+from .tuning import Tuning
 from .turns import run_fresh
 
 __all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]

@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 
 from .ops import chunk_piece
-from .plan import Piece, pack_pieces, slices_to_pieces, validate
+from .pieces import Piece, pack_pieces, slices_to_pieces
+from .validation import validate
+from .words import INT_OF_WIDTH
 
 __all__ = ["bits", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch_run"]
-
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().contiguous().view(-1)
     if flat.element_size() == 16:  # complex128: two 8-byte words per element
         return flat.view(torch.int64)
-    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+    return flat.view(INT_OF_WIDTH[flat.element_size()])
 
 
 def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),

@@ -1,8 +1,8 @@
 """A copy into a fresh buffer, in turns: check a turn's sources, start copying them, go on to the next.
 
 :func:`~ztriton.kernels.plan.make_plan` checks every piece before the first byte is written, so that a bad
-argument leaves ``dst`` as it was. Reading the sources' attributes for those checks is host work of ~1-3 us
-per tensor on an H200's host: for 2,000 tensors ~5 ms, most of a 7 ms copy, during which the device idles.
+argument leaves ``dst`` as it was. Reading the sources' attributes for those checks is host work of about a
+microsecond or more per tensor: for thousands of tensors, most of the copy's time, during which the device idles.
 
 A buffer allocated for the result (a flatten's or a defragment's flat buffer, a rank's partition) holds
 nothing anyone reads yet: a failure half way through leaves only a buffer that its caller drops. For such a
@@ -20,10 +20,11 @@ the device's copy of one takes longer than the host's check of the next.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
-right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy, 20-60 us of the H200's host), so
-the device starts at once on the biggest pieces (a model's embeddings, fused experts) while the host plans the
-rest. Only pieces of 256 MiB or more lead (``LEAD_BYTES`` says why). A piece that fails a lead check is left to
-the plan, whose checks name it.
+right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy), so the device starts at once on
+the biggest pieces (a model's embeddings, fused experts) while the host plans the rest. Only pieces of
+``LEAD_BYTES`` or more lead. A piece that fails a lead check is left to the plan, whose checks name it.
+
+The measurements behind the constants below: ``bench/NOTES.md``, "Kernels: why the tuning is what it is".
 """
 from __future__ import annotations
 
@@ -34,31 +35,30 @@ import numpy as np
 
 import torch
 
-from . import plan as _plan
-from .plan import (KERNELS_ONLY, PackPieces, Piece, _bytes, _check_disjoint, _check_launchable, _torch_turn,
-                   _zero_ranges, check_dst, make_plan, run_plan, validate)
+from . import state
+from .checks import as_zero_ranges, check_disjoint, check_dst
+from .pieces import PackPieces, Piece
+from .plan import check_launchable, make_plan, run_plan
+from .state import torch_turn
+from .torch_route import flat_bytes
+from .tuning import KERNELS_ONLY
+from .validation import validate
 
 __all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
-# big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches: ~0.5 ms on the H200's
-# host, batch s9c) is paid a few times only: four turns for 2,000 pieces. Batch s9c compared schedules in one
-# process: 64 growing fourfold was among the fastest for 2,000, 602 and 200 pieces; three lead turns of 16
-# pieces as torch's copies first were slower (a torch turn's fixed cost is no smaller). Jobs of up to MIN_PIECES
-# pieces go as one plan: there is little to overlap.
+# big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches) is paid a few times only.
+# Of the schedules compared, this one was among the fastest for jobs of hundreds to thousands of pieces. Jobs of
+# up to MIN_PIECES pieces go as one plan: there is little to overlap.
 FIRST_TURN = 64
 GROWTH = 4
 LAST_TURN = 1024
 MIN_PIECES = 128
-# A job whose pieces average fewer bytes goes as one plan: checking a piece takes ~1 us of the H200's host, and
-# the device copies 2 MiB (read and written) in about that time, so smaller pieces leave it idle between turns
-# anyway and the turns add only their fixed costs (a stage-3 defragment at W = 8: 602 partitions of 1.8 MiB).
+# A job whose pieces average fewer bytes goes as one plan: the device copies a piece this small in about the time
+# the host takes to check one, so it would idle between turns anyway and the turns add only their fixed costs.
 MIN_MEAN_BYTES = 4 << 20
-# Pieces of at least this many bytes go first, as torch copies (module docstring). A lead copy costs 20-60 us of
-# the H200's host (batches s10b, s10c), and the device copies 256 MiB (read and written) in ~125 us: it stays ahead
-# whatever the host. From 64 MiB (~32 us each) it did not: 200 experts of 64 MiB took 7.76 ms with a lead capped at
-# 2 GiB and 8.04 ms uncapped against 7.60 ms without, while 24 of 512 MiB went 7.18 -> 6.59 ms and the LLM mix
-# (two 1.16 GiB embeddings) 5.68 -> 5.06 ms (batch s10d, bench/probe_lead.py).
+# Pieces of at least this many bytes go first, as torch copies (module docstring): the device copies one of them
+# in longer than the host takes to issue the next, so it stays ahead whatever the host. Smaller leads did not pay.
 LEAD_BYTES = 256 << 20
 
 
@@ -84,7 +84,7 @@ def schedule(pieces: PackPieces) -> list[np.ndarray]:
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
     """Whether :func:`run_fresh` copies ``pieces`` in turns rather than as one plan (module docstring)."""
-    if not isinstance(pieces, PackPieces) or len(pieces) <= MIN_PIECES or not _plan.kernels_loaded(dst.device):
+    if not isinstance(pieces, PackPieces) or len(pieces) <= MIN_PIECES or not state.kernels_loaded(dst.device):
         return False
     moved = int(np.maximum(pieces.count, 0).sum()) * dst.element_size()
     return moved >= MIN_MEAN_BYTES * len(pieces)
@@ -102,15 +102,15 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
-    _check_launchable(dst)  # as one plan's: even when every piece leads and no plan is made
-    zeros = _zero_ranges(zero_ranges, dst)
+    check_launchable(dst)  # as one plan's: even when every piece leads and no plan is made
+    zeros = as_zero_ranges(zero_ranges, dst)
     with _errors_as_one_plan(dst, pieces, zeros, what):
         _check_destinations(dst, pieces, zeros, what)
     first = lead(dst, pieces)
     rest = pieces
     if len(first):
         _copy_lead(dst, pieces, first)
-        # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma (~10 ms of a fresh process).
+        # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
         left = np.ones(len(pieces), dtype=bool)
         left[first] = False
         rest = pieces.take(np.flatnonzero(left))
@@ -174,8 +174,8 @@ def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None
     dtype (bits move unchanged), issued on the current stream as the plans after it are."""
     itemsize = dst.element_size()
     inference = dst.is_inference() and not torch.is_inference_mode_enabled()
-    with _torch_turn(), torch.inference_mode() if inference else torch.no_grad():
-        out = _bytes(dst)
+    with torch_turn(), torch.inference_mode() if inference else torch.no_grad():
+        out = flat_bytes(dst)
         for i in first.tolist():
             start, count, offset = int(pieces.start[i]) * itemsize, int(pieces.count[i]) * itemsize, \
                 int(pieces.offset[i]) * itemsize
@@ -201,5 +201,5 @@ def _check_destinations(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray
     From the columns, before anything is written; each turn checks its own pieces' ranges again."""
     n = len(pieces)
     count = np.maximum(pieces.count, 0)
-    _check_disjoint(np.concatenate([pieces.offset, zeros[:, 0]]), np.concatenate([pieces.offset + count, zeros.sum(1)]),
+    check_disjoint(np.concatenate([pieces.offset, zeros[:, 0]]), np.concatenate([pieces.offset + count, zeros.sum(1)]),
                     lambda k: f"{what}[{k}]" if k < n else "a pad range")

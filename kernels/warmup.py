@@ -2,8 +2,8 @@
 
 A fresh process pays for its first launch of a jit kernel even when Triton's cache holds the binary:
 Triton hashes its own sources and ``libtriton`` (the cache key, once per process), loads the cubin and
-the launcher stub, and on an empty cache compiles both. Measured on an H200 (``bench/NOTES.md``, cold
-start): about 0.5 s with a warm cache, inside the user's ``deepspeed.initialize``. Most of it is
+the launcher stub, and on an empty cache compiles both: a fraction of a second with a warm cache, inside
+the user's ``deepspeed.initialize`` (``bench/NOTES.md``, "Kernels: why the tuning is what it is"). Most of it is
 hashing and file reads, which release the GIL, so a thread started when a caller first learns that
 the kernels will be needed (a DeepSpeed config with the key) overlaps it with whatever the process
 does next. The thread runs one tiny real copy through the same planning as every launch, so it loads
@@ -27,9 +27,10 @@ import time
 
 import torch
 
-from .ops import pack_plan
 from . import plan
-from .plan import KERNELS_ONLY, WARMING
+from .ops import pack_plan
+from .state import WARMING
+from .tuning import KERNELS_ONLY
 
 __all__ = ["load_torch_cat_in_background", "warm_up", "warm_up_in_background"]
 
@@ -74,14 +75,14 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
         return None
     # The interpreter compiles nothing. Asked without importing triton where the environment says no: the
     # thread imports it, off the caller's thread.
-    if plan._interpreter_on():
+    if plan.interpreter_on():
         return None
     with _lock:
         if device.index in _requested:
             return WARMING.get(device.index)
         _requested.add(device.index)
         thread = _start("warm-up", device)  # may raise (no threads left): then launches never wait
-        WARMING[device.index] = thread  # launches on this device wait for it once (plan._await_warm_up)
+        WARMING[device.index] = thread  # launches on this device wait for it once (state.await_warm_up)
     return thread
 
 
@@ -90,9 +91,8 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     per device and process; returns the thread, or None where there is nothing to load (not CUDA).
 
     Before the copy kernel loads, torch's route writes pieces side by side with one ``torch.cat`` over integer
-    words (``plan.Tuning.cat_items``), and torch loads that CUDA kernel on its first launch: ~5 ms of a fresh
-    process's flatten of the LLM mix (``bench/results/first_calls_h200_s12d.json``: the pack's first call
-    19.5-23.4 ms, 13.7-17.1 ms after a tiny cat). Started when a ZeRO optimizer begins building, the thread loads
+    words (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch, a noticeable part of a
+    fresh process's flatten. Started when a ZeRO optimizer begins building, the thread loads
     it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
     real cat then loads the kernel, as without it."""
     device = _indexed_cuda(device, "load_torch_cat_in_background")
@@ -136,8 +136,8 @@ def _finish_at_exit() -> None:
     """Let a warm-up still loading finish before the interpreter shuts down. A daemon thread caught inside
     CUDA or Triton's C++ when Python finalises is unwound by force, and a C++ ``catch (...)`` on its way
     aborts the process ("FATAL: exception not rethrown", exit code -6) after the user's script has finished:
-    a launcher such as torchrun would report the rank as failed. Seen once on an H200 in a fresh process
-    whose host was slow (bench/NOTES.md, session 4)."""
+    a launcher such as torchrun would report the rank as failed (seen on an H200: ``bench/NOTES.md``, "Kernels:
+    why the tuning is what it is")."""
     deadline = time.monotonic() + _EXIT_WAIT_S  # one bound for all of them, however many devices
     for thread in _threads:
         if thread.is_alive():

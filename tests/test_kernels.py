@@ -12,10 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ztriton.kernels import (bits, copy_chunk, pack, pack_plan, pack_slices, torch_copy_chunk, torch_pack,
-                             torch_pack_slices)
+from ztriton.kernels import (bits, byte_extent, byte_extents, copy_chunk, pack, pack_plan, pack_slices,
+                             torch_copy_chunk, torch_pack, torch_pack_slices, uncovered)
 
 from ztriton.kernels import plan as plan_module
+from ztriton.kernels import torch_route, validation
+from ztriton.kernels.pieces import slices_to_pieces
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -383,7 +385,7 @@ def test_tables_keep_pointer_arguments_16_byte_aligned():
     (the rows and their prefix sum) is 16-byte aligned whatever the number of rows, so that a fresh
     process compiles each kernel once per constexpr combination, not twice."""
     from ztriton.kernels import make_plan
-    from ztriton.kernels.plan import pack_pieces
+    from ztriton.kernels.pieces import pack_pieces
 
     gen = torch.Generator().manual_seed(1)
     for k in range(1, 8):
@@ -423,7 +425,7 @@ def test_few_contiguous_pieces_go_through_torch_copies_with_the_same_bits(data, 
         at += n + data.draw(st.integers(0, 5))
     by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
     # With the gaps zeroed the pieces and gaps tile dst (one split cuts its views), without them they do not.
-    gaps = plan_module.uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at) if data.draw(st.booleans()) else []
+    gaps = uncovered([(p[3], p[3] + p[2]) for p in pieces], 0, at) if data.draw(st.booleans()) else []
     # Runs and gaps side by side in dst (cat_items or more) are one torch.cat; of the others, pieces of at least
     # own_copy_bytes get a copy_ each, the rest share a _foreach_copy_ per word width, but only where more than
     # foreach_from are left (the gaps likewise: a zero_ each or one _foreach_zero_).
@@ -524,9 +526,9 @@ def test_torch_copies_only_for_few_contiguous_pieces():
 
 def test_n_parts_is_not_specialised():
     """An integer argument equal to 1 or a multiple of 16 would be a variant of its own."""
-    from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
+    from ztriton.kernels.copy import copy_words_kernel, gather_tile_kernel
 
-    for kernel in (_copy_words_kernel, _gather_tile_kernel):
+    for kernel in (copy_words_kernel, gather_tile_kernel):
         spec = getattr(kernel, "do_not_specialize", None)
         if spec is None:  # the interpreter keeps the decorator's arguments
             spec = kernel.kwargs["do_not_specialize"]
@@ -706,9 +708,9 @@ def test_common_case_reads_what_the_loop_reads(data):
         pieces.append((src, start, count, 2 * at))
         at += n
     dst = poisoned(2 * at + 1, dtype)
-    common = plan_module._gather_common(pieces, dst, True)
+    common = validation._gather_common(pieces, dst, True)
     assert common is not None
-    assert _sources_equal(common, plan_module._gather_each(pieces, dst, True, "sources"))
+    assert _sources_equal(common, validation._gather_each(pieces, dst, True, "sources"))
 
 
 @pytest.mark.parametrize("case", ["strided", "numpy int", "bool count", "other dtype", "complex", "not a tuple",
@@ -732,15 +734,15 @@ def test_common_case_steps_aside_for_anything_else(case):
     }[case]
     if case == "complex":  # 16-byte elements move as word pairs: always the loop
         complex_piece = (torch.zeros(8, dtype=torch.complex64), 0, 8, 0)
-        assert plan_module._gather_common([complex_piece], torch.zeros(64, dtype=torch.complex64), True) is None
+        assert validation._gather_common([complex_piece], torch.zeros(64, dtype=torch.complex64), True) is None
         return
-    assert plan_module._gather_common([good, good[:3] + (16,)], dst, True) is not None
-    assert plan_module._gather_common([good, bad], dst, True) is None
+    assert validation._gather_common([good, good[:3] + (16,)], dst, True) is not None
+    assert validation._gather_common([good, bad], dst, True) is None
     if case in ("strided", "numpy int"):  # fine pieces, just not the plain case
-        assert plan_module.validate(dst, [good, bad])[0].count.tolist() == [8, 8]
+        assert validation.validate(dst, [good, bad])[0].count.tolist() == [8, 8]
     else:
         with pytest.raises((TypeError, ValueError)):
-            plan_module.validate(dst, [good, bad])
+            validation.validate(dst, [good, bad])
 
 
 def test_plain_slices_are_taken_as_they_are_and_others_checked():
@@ -748,15 +750,15 @@ def test_plain_slices_are_taken_as_they_are_and_others_checked():
     out-of-range int goes through the checks, which name it."""
     dst = torch.zeros(16)
     src = torch.arange(8.0)
-    pieces, zeros = plan_module.slices_to_pieces(dst, [(src, 0, 4, 0), (src, 4, 4, 8)])
+    pieces, zeros = slices_to_pieces(dst, [(src, 0, 4, 0), (src, 4, 4, 8)])
     assert list(pieces) == [(src, 0, 4, 0), (src, 4, 4, 8)] and zeros.tolist() == [[4, 4], [12, 4]]
     import numpy as np
-    pieces, _ = plan_module.slices_to_pieces(dst, [(src, 0, np.int64(4), 0)])
+    pieces, _ = slices_to_pieces(dst, [(src, 0, np.int64(4), 0)])
     assert type(pieces[0][2]) is int
     with pytest.raises(ValueError, match=r"slices\[1\] offset"):
-        plan_module.slices_to_pieces(dst, [(src, 0, 4, 0), (src, 0, 4, 2**63)])
+        slices_to_pieces(dst, [(src, 0, 4, 0), (src, 0, 4, 2**63)])
     with pytest.raises(TypeError, match=r"slices\[0\] count"):
-        plan_module.slices_to_pieces(dst, [(src, 0, 4.0, 0)])
+        slices_to_pieces(dst, [(src, 0, 4.0, 0)])
 
 
 def test_reference_copy_of_a_source_that_requires_grad_is_not_recorded():
@@ -789,8 +791,8 @@ def test_int64_min_is_out_of_range_not_wrapped():
     """-2**63 fits an int64 but abs() of it wraps to itself: the range checks compare both bounds."""
     dst = torch.zeros(16)
     with pytest.raises(ValueError, match=r"slices\[0\] count.*out of range"):
-        plan_module.slices_to_pieces(dst, [(torch.arange(8.0), 0, -2**63, 0)])
-    assert plan_module._gather_common([(torch.arange(8.0), 0, -2**63, 0)], dst, True) is None
+        slices_to_pieces(dst, [(torch.arange(8.0), 0, -2**63, 0)])
+    assert validation._gather_common([(torch.arange(8.0), 0, -2**63, 0)], dst, True) is None
 
 
 def test_byte_extents_is_byte_extent_of_each():
@@ -799,8 +801,8 @@ def test_byte_extents_is_byte_extent_of_each():
     base = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     views = [base, base[2:5], base[:, ::2], base.t(), base[3, 1:], base[:0], base[0:1, 0:1].expand(4, 4),
              base.reshape(-1)[7:19]]
-    lo, hi = plan_module.byte_extents(views)
-    assert [(int(a), int(b)) for a, b in zip(lo, hi)] == [plan_module.byte_extent(v) for v in views]
+    lo, hi = byte_extents(views)
+    assert [(int(a), int(b)) for a, b in zip(lo, hi)] == [byte_extent(v) for v in views]
 
 
 @FAST
@@ -825,7 +827,7 @@ def test_torch_copies_take_pieces_side_by_side_in_one_storage_as_one_copy(data, 
     for src in slices[:16]:  # sometimes a gap in dst
         pieces.append(Piece(src, 0, src.numel(), at))
         at += src.numel() + data.draw(st.sampled_from([0, 0, 0, 1]))
-    gaps = plan_module.uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, at)
+    gaps = uncovered([(p.offset, p.offset + p.count) for p in pieces], 0, at)
     own = data.draw(st.sampled_from([1, Tuning().own_copy_bytes]))
     by_torch, by_kernels = poisoned(at, dtype), poisoned(at, dtype)
     torch_plan = make_plan(by_torch, pieces, gaps, tuning=Tuning(own_copy_bytes=own, foreach_from=0, cat_items=0))
@@ -903,7 +905,7 @@ def test_torch_copies_issued_as_planned_go_in_batches(monkeypatch):
     """Under run_now, torch's route issues a _foreach_copy_ each time Tuning.batch_pieces pieces of one width are
     ready (the device starts while the host still makes views), and the bytes are those of one call at the end."""
     from ztriton.kernels import Tuning, make_plan
-    from ztriton.kernels.plan import pack_pieces
+    from ztriton.kernels.pieces import pack_pieces
 
     calls = []
     real = torch._foreach_copy_
@@ -927,7 +929,7 @@ def test_torch_copies_one_per_piece_and_zero_per_gap_up_to_foreach_from(monkeypa
     _foreach_copy_ loads a CUDA kernel (17-22 ms on the H200, session 11), a copy_ of contiguous bytes is a memcpy.
     Above it, small pieces share _foreach_copy_ calls and the gaps one _foreach_zero_. The same bytes either way."""
     from ztriton.kernels import Tuning, make_plan
-    from ztriton.kernels.plan import pack_pieces
+    from ztriton.kernels.pieces import pack_pieces
 
     calls = []
     for name in ("_foreach_copy_", "_foreach_zero_"):
@@ -1026,14 +1028,14 @@ def test_torch_copies_join_only_sources_on_dsts_device(monkeypatch, cat_calls):
     dst's device, so the run's flag is set here by hand."""
     from ztriton.kernels import Piece, Tuning, make_plan
 
-    cats, real_runs = cat_calls, plan_module._copy_runs
+    cats, real_runs = cat_calls, torch_route._copy_runs
 
     def second_run_elsewhere(*args):
         runs = real_runs(*args)
         runs.local[1] = False
         return runs
 
-    monkeypatch.setattr(plan_module, "_copy_runs", second_run_elsewhere)
+    monkeypatch.setattr(torch_route, "_copy_runs", second_run_elsewhere)
     gen = torch.Generator().manual_seed(13)
     a, b, c = (random_tensor([n], torch.float32, gen) for n in (6, 4, 8))
     pieces = [Piece(a, 0, 6, 0), Piece(b, 0, 4, 6), Piece(c, 0, 8, 10)]

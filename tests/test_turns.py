@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
+from ztriton.kernels import state, torch_route
 from ztriton.kernels import turns as turns_module
+from ztriton.kernels.pieces import PackPieces, pack_pieces, slices_to_pieces
 from ztriton.kernels.turns import FIRST_TURN, MIN_PIECES, schedule, turns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,7 +75,7 @@ def route(request, monkeypatch):
     """In turns for the kernels (CPU under the interpreter counts as loaded), or as in a process that has not
     loaded the kernels yet: one plan of torch's copies."""
     if request.param == "torch_copies":
-        monkeypatch.setattr(plan_module, "kernels_loaded", lambda device: False)
+        monkeypatch.setattr(state, "kernels_loaded", lambda device: False)
     return request.param
 
 
@@ -136,9 +138,9 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
 @example(counts=[-1, 0, 2])  # a negative count sorts as an empty piece, after the others
 @settings(max_examples=40, deadline=None)
 def test_schedule_takes_every_piece_once_biggest_first_ties_in_order(counts):
-    pieces = plan_module.PackPieces([None] * len(counts), np.zeros(len(counts), dtype=np.int64),
-                                    np.array(counts, dtype=np.int64), np.zeros(len(counts), dtype=np.int64),
-                                    np.zeros(len(counts), dtype=np.int64))
+    pieces = PackPieces([None] * len(counts), np.zeros(len(counts), dtype=np.int64),
+                        np.array(counts, dtype=np.int64), np.zeros(len(counts), dtype=np.int64),
+                        np.zeros(len(counts), dtype=np.int64))
     each_turn = schedule(pieces)
     assert [len(t) for t in each_turn] == [b - a for a, b in turns(len(counts))]
     order = np.concatenate(each_turn).tolist() if each_turn else []
@@ -160,7 +162,7 @@ def test_one_plan_where_turns_do_not_pay(monkeypatch, case):
         numel = sum(s.numel() for s in sources)
         monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 4 * numel // len(sources) + 1)
     if case == "kernels not loaded":
-        monkeypatch.setattr(plan_module, "kernels_loaded", lambda device: False)
+        monkeypatch.setattr(state, "kernels_loaded", lambda device: False)
     slices = [(s, 0, s.numel(), 10 * k) for k, s in enumerate(sources)]
     if case == "not columns":
         slices[5] = (sources[5], np.int64(0), sources[5].numel(), 50)  # a numpy index: checked one piece at a time
@@ -183,13 +185,13 @@ def test_turns_from_exactly_the_minimum_mean_bytes(monkeypatch, short):
     dst = torch.empty(4 * n, dtype=torch.bfloat16, device=DEVICE)
     counts = np.full(n, 3, dtype=np.int64)
     counts[0] -= 3 * short  # one piece empty: the job six bytes short of n * MIN_MEAN_BYTES
-    pieces = plan_module.PackPieces([dst] * n, np.zeros(n, dtype=np.int64), counts,
-                                    np.arange(n, dtype=np.int64) * 4, np.full(n, 4, dtype=np.int64))
+    pieces = PackPieces([dst] * n, np.zeros(n, dtype=np.int64), counts,
+                        np.arange(n, dtype=np.int64) * 4, np.full(n, 4, dtype=np.int64))
     assert worth_turns(dst, pieces) is (short == 0)
 
 
 def test_take_refuses_a_mask():
-    pieces = plan_module.PackPieces([1, 2, 3], *(np.arange(3, dtype=np.int64),) * 4)
+    pieces = PackPieces([1, 2, 3], *(np.arange(3, dtype=np.int64),) * 4)
     assert pieces.take(np.array([2, 0])).sources == [3, 1]
     with pytest.raises(TypeError, match="integer numpy array"):
         pieces.take(np.array([True, False, True]))
@@ -199,7 +201,7 @@ def test_a_bad_source_in_a_late_turn_is_named_by_its_index_and_no_source_changes
     sources = sources_of(N, torch.float32, seed=5)
     offsets = [10 * k for k in range(len(sources))]
     dst = torch.empty(10 * len(sources), device=DEVICE)
-    bad = int(schedule(plan_module.pack_pieces(dst, sources, offsets)[0])[-1][3])  # in the last turn
+    bad = int(schedule(pack_pieces(dst, sources, offsets)[0])[-1][3])  # in the last turn
     sources[bad] = sources[bad].to(torch.float64)
     before = [bits(s).clone() for s in sources]
     with pytest.raises(TypeError) as whole:
@@ -217,10 +219,10 @@ def test_destinations_overlapping_across_turns_are_refused_before_any_write():
     sources = sources_of(N, torch.float32, seed=9)
     slices = [(s, 0, s.numel(), 16 * k) for k, s in enumerate(sources)]
     dst = torch.full((16 * len(sources),), 7.0, device=DEVICE)
-    each_turn = schedule(plan_module.slices_to_pieces(dst, slices)[0])
+    each_turn = schedule(slices_to_pieces(dst, slices)[0])
     one, other = int(each_turn[0][0]), int(each_turn[-1][0])  # a piece of the first turn, one of the last
     slices[other] = (sources[other], 0, 1, slices[one][3])  # smaller still: it stays in the last turn
-    each_turn = schedule(plan_module.slices_to_pieces(dst, slices)[0])
+    each_turn = schedule(slices_to_pieces(dst, slices)[0])
     assert one in each_turn[0].tolist() and other in each_turn[-1].tolist() and len(each_turn) > 2
     early, late = sorted([one, other])
     with pytest.raises(ValueError, match=rf"slices\[{early}\].*slices\[{late}\].*overlap"):
@@ -236,7 +238,7 @@ def test_destinations_overlapping_across_turns_are_refused_before_any_write():
 ])
 def test_cut_gives_the_views_narrow_would(segments, gaps):
     out = torch.arange(16)
-    views = plan_module._cut(out, segments, gaps)
+    views = torch_route._cut(out, segments, gaps)
     expected = [out.narrow(0, o, c) for o, c in segments + gaps]
     assert [(v.data_ptr(), v.numel()) for v in views] == [(e.data_ptr(), e.numel()) for e in expected]
 
@@ -270,7 +272,7 @@ def test_a_zero_range_over_a_piece_of_another_turn_is_refused_before_any_write()
     sources = sources_of(N, torch.float32, seed=13)
     slices = [(s, 0, s.numel(), 16 * k) for k, s in enumerate(sources)]
     dst = torch.full((16 * len(sources),), 7.0, device=DEVICE)
-    pieces, _ = plan_module.slices_to_pieces(dst, slices)
+    pieces, _ = slices_to_pieces(dst, slices)
     biggest = int(schedule(pieces)[0][0])
     over = [(16 * biggest, 1)]  # the first element of a first-turn piece
     with pytest.raises(ValueError, match=rf"sources\[{biggest}\].*a pad range.*overlap"):

@@ -41,17 +41,17 @@ def fresh_warm_ups(monkeypatch):
     """CUDA faked as available and kernels that compile, with empty warm-up registries (shared by the
     launches and the warm-up, as in the library) and the exit wait recorded instead of registered: nothing a
     test starts leaks into the process. Returns the callbacks registered for the exit."""
-    from ztriton.kernels import plan
+    from ztriton.kernels import plan, state
 
     registered = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(plan, "interpreted", lambda: False)
+    monkeypatch.setattr(plan, "interpreted", lambda: False)  # what plan.interpreter_on asks
     monkeypatch.setattr(warmup, "_requested", set())
     monkeypatch.setattr(warmup, "_cat_started", {})
     monkeypatch.setattr(warmup, "_threads", [])
     monkeypatch.setattr(warmup.atexit, "register", registered.append)
-    monkeypatch.setattr(plan, "WARMING", {})
-    monkeypatch.setattr(warmup, "WARMING", plan.WARMING)
+    monkeypatch.setattr(state, "WARMING", {})
+    monkeypatch.setattr(warmup, "WARMING", state.WARMING)
     return registered
 
 
@@ -119,8 +119,7 @@ def test_nothing_to_warm_without_cuda(monkeypatch):
 def test_a_thread_that_cannot_start_registers_nothing(monkeypatch, fresh_warm_ups):
     """No threads left: the error reaches the caller (the integration logs it), nothing is registered, and
     later launches on the device do not wait for a thread that never ran."""
-    from ztriton.kernels import plan
-
+    from ztriton.kernels import state
 
     def no_threads(self):
         raise RuntimeError("can't start new thread")
@@ -128,30 +127,30 @@ def test_a_thread_that_cannot_start_registers_nothing(monkeypatch, fresh_warm_up
     monkeypatch.setattr(threading.Thread, "start", no_threads)
     with pytest.raises(RuntimeError, match="can't start"):
         warmup.warm_up_in_background(3)
-    assert plan.WARMING == {}
-    plan._await_warm_up(torch.device("cuda", 3))  # returns at once
+    assert state.WARMING == {}
+    state.await_warm_up(torch.device("cuda", 3))  # returns at once
 
 
 def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
     """The first launch on the device joins the thread (bounded); later launches never wait again, even
     when that wait timed out; the thread's own launch does not wait for itself."""
-    from ztriton.kernels import plan
+    from ztriton.kernels import state
 
     gate, joined = threading.Event(), []
     thread = threading.Thread(target=lambda: gate.wait(5), daemon=True)
     thread.start()
-    monkeypatch.setattr(plan, "WARMING", {4: thread})
-    monkeypatch.setattr(plan, "_WARM_UP_WAIT_S", 0.05)
+    monkeypatch.setattr(state, "WARMING", {4: thread})
+    monkeypatch.setattr(state, "_WARM_UP_WAIT_S", 0.05)
     original_join = threading.Thread.join
     monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: (joined.append(timeout),
                                                                               original_join(self, timeout)))
-    plan._await_warm_up(torch.device("cuda", 4))  # times out: the thread is still waiting on the gate
-    plan._await_warm_up(torch.device("cuda", 4))
-    assert joined == [0.05] and plan.WARMING == {}
+    state.await_warm_up(torch.device("cuda", 4))  # times out: the thread is still waiting on the gate
+    state.await_warm_up(torch.device("cuda", 4))
+    assert joined == [0.05] and state.WARMING == {}
     gate.set()
     original_join(thread, 5)
-    monkeypatch.setattr(plan, "WARMING", {4: threading.current_thread()})
-    plan._await_warm_up(torch.device("cuda", 4))  # itself: no join
+    monkeypatch.setattr(state, "WARMING", {4: threading.current_thread()})
+    state.await_warm_up(torch.device("cuda", 4))  # itself: no join
     assert joined == [0.05]
 
 
@@ -159,48 +158,49 @@ def test_until_a_kernel_is_loaded_contiguous_pieces_take_torch_copies(monkeypatc
     """Until a kernel launch has returned on a device (a warm-up in flight or none started), contiguous pieces on
     it (up to BEFORE_LOAD_PIECES) go through torch's copy_ rather than pay or wait for the load; strided ones, host
     ones and KERNELS_ONLY do not; once loaded there, the usual limit holds again, on that device only."""
-    from ztriton.kernels import Tuning, plan
+    from ztriton.kernels import KERNELS_ONLY, Tuning, plan, state
+    from ztriton.kernels.validation import Sources
 
-    monkeypatch.setattr(plan, "LOADED", {3})
-    many = plan._Sources  # built the way validate builds them, without a device
+    monkeypatch.setattr(state, "LOADED", {3})
     n = Tuning().torch_pieces + 1
 
     def sources(count, contiguous=True, local=True):
+        """Facts of ``count`` pieces, built the way validate builds them, without a device."""
         zeros, ones = np.zeros(count, np.int64), np.ones(count, np.int64)
-        return many(start=zeros, count=ones, offset=np.arange(count, dtype=np.int64), numel=ones, lo=zeros, hi=ones,
-                    contiguous=np.full(count, contiguous), local=np.full(count, local))
+        return Sources(start=zeros, count=ones, offset=np.arange(count, dtype=np.int64), numel=ones, lo=zeros,
+                       hi=ones, contiguous=np.full(count, contiguous), local=np.full(count, local))
 
     cuda2, cuda3 = torch.device("cuda", 2), torch.device("cuda", 3)
-    assert not plan.kernels_loaded(cuda2) and plan.kernels_loaded(cuda3)
-    assert plan.kernels_loaded(torch.device("cpu"))  # the interpreter loads nothing
+    assert not state.kernels_loaded(cuda2) and state.kernels_loaded(cuda3)
+    assert state.kernels_loaded(torch.device("cpu"))  # the interpreter loads nothing
     assert plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
     assert plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES + 1), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda3)
     assert not plan._torch_copies_suffice(sources(n, contiguous=False), Tuning(), cuda2)
     assert not plan._torch_copies_suffice(sources(n, local=False), Tuning(), cuda2)  # host sources: blocking copies
-    assert not plan._torch_copies_suffice(sources(2), plan.KERNELS_ONLY, cuda2)
+    assert not plan._torch_copies_suffice(sources(2), KERNELS_ONLY, cuda2)
     assert plan._torch_copies_suffice(sources(n - 1), Tuning(), cuda3)
     assert not plan._torch_copies_suffice(sources(n), Tuning(), torch.device("cpu"))
 
 
 def test_a_kernel_launch_marks_its_device_loaded(monkeypatch):
     """The launch that loaded the kernels marks the device; torch copies and the interpreter's launches mark nothing."""
-    from ztriton.kernels import plan
+    from ztriton.kernels import Plan, state
 
-    monkeypatch.setattr(plan, "LOADED", set())
-    monkeypatch.setattr(plan, "_await_warm_up", lambda device: None)
+    monkeypatch.setattr(state, "LOADED", set())
+    monkeypatch.setattr(state, "await_warm_up", lambda device: None)
     launched = []
     fake_stream = types.SimpleNamespace(device=torch.device("cuda", 5))
-    copies_only = plan.Plan([], [], [], fake_stream, copies=[], fills=[])
+    copies_only = Plan([], [], [], fake_stream, copies=[], fills=[])
     copies_only._launch_all()
-    assert plan.LOADED == set()
-    with_kernel = plan.Plan([(_Launcher(launched), (1,), (), {})], [], [], fake_stream)
+    assert state.LOADED == set()
+    with_kernel = Plan([(_Launcher(launched), (1,), (), {})], [], [], fake_stream)
     with_kernel._launch_all()
-    assert launched == [(1,)] and plan.LOADED == {5}
-    interpreted = plan.Plan([(_Launcher(launched), (2,), (), {})], [], [], None)
+    assert launched == [(1,)] and state.LOADED == {5}
+    interpreted = Plan([(_Launcher(launched), (2,), (), {})], [], [], None)
     interpreted._launch_all()
-    assert plan.LOADED == {5}
+    assert state.LOADED == {5}
 
 
 class _Launcher:
@@ -214,10 +214,10 @@ class _Launcher:
 
 
 def test_the_warm_up_thread_is_not_its_own_warm_up(monkeypatch):
-    from ztriton.kernels import plan
+    from ztriton.kernels import state
 
-    monkeypatch.setattr(plan, "WARMING", {2: threading.current_thread()})  # the warm-up's own launch
-    assert plan._warm_up_elsewhere(torch.device("cuda", 2)) is None
+    monkeypatch.setattr(state, "WARMING", {2: threading.current_thread()})  # the warm-up's own launch
+    assert state._warm_up_elsewhere(torch.device("cuda", 2)) is None
 
 
 def test_one_thread_per_device_and_failures_stay_in_it(monkeypatch, fresh_warm_ups):
@@ -287,17 +287,17 @@ def test_gpu_torch_cat_load_runs_on_the_device(caplog):
 GPU_CHECK = """
 import torch
 from ztriton.kernels import Tuning, pack_plan, warmup
-from ztriton.kernels.copy import _copy_words_kernel
+from ztriton.kernels.copy import copy_words_kernel
 device = torch.device("cuda", 0)
-assert len(_copy_words_kernel.device_caches[0][0]) == 0, "a fresh process has loaded nothing yet"
+assert len(copy_words_kernel.device_caches[0][0]) == 0, "a fresh process has loaded nothing yet"
 warmup.warm_up_in_background(device).join(120)
-loaded = len(_copy_words_kernel.device_caches[0][0])  # triton keeps compiled kernels by specialisation
+loaded = len(copy_words_kernel.device_caches[0][0])  # triton keeps compiled kernels by specialisation
 assert loaded == 1, loaded
 sources = [torch.randn(4096, 64, device=device).to(torch.bfloat16) for _ in range(3)]
 flat = torch.full((3 * 4096 * 64 + 64,), float("nan"), dtype=torch.bfloat16, device=device)
 pack_plan(flat, sources, [0, 4096 * 64, 2 * 4096 * 64], tuning=Tuning(torch_pieces=0)).launch()
 assert torch.equal(flat[:4096 * 64].view(4096, 64), sources[0])
-assert len(_copy_words_kernel.device_caches[0][0]) == loaded, "the real pack needed another variant"
+assert len(copy_words_kernel.device_caches[0][0]) == loaded, "the real pack needed another variant"
 print("OK")
 """
 
@@ -318,7 +318,7 @@ def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
 GPU_UNLOADED = """
 import sys
 import torch
-from ztriton.kernels import pack_plan, plan
+from ztriton.kernels import pack_plan, state
 device = torch.device("cuda", 0)
 sources = [torch.randn(1000 + i, device=device).to(torch.bfloat16) for i in range(600)]
 offsets, at = [], 0
@@ -332,14 +332,14 @@ job.launch()
 for s, o in zip(sources, offsets):
     assert torch.equal(flat[o:o + s.numel()].view(torch.int16), s.view(torch.int16))
     assert torch.equal(flat[o + s.numel():o + s.numel() + 8].view(torch.int16), torch.zeros(8, dtype=torch.int16, device=device))
-assert "triton" not in sys.modules and plan.LOADED == set(), "nothing loaded, triton not even imported"
-from ztriton.kernels.copy import _copy_words_kernel, _gather_tile_kernel
-assert len(_copy_words_kernel.device_caches[0][0]) == 0
+assert "triton" not in sys.modules and state.LOADED == set(), "nothing loaded, triton not even imported"
+from ztriton.kernels.copy import copy_words_kernel, gather_tile_kernel
+assert len(copy_words_kernel.device_caches[0][0]) == 0
 square = torch.randn(64, 64, device=device).to(torch.bfloat16)
 out = torch.empty(64 * 64, dtype=torch.bfloat16, device=device)
 pack_plan(out, [square.t()], [0]).launch()  # a strided source needs the kernel: it loads now
 assert torch.equal(out.view(64, 64), square.t().contiguous())
-assert plan.LOADED == {0} and len(_gather_tile_kernel.device_caches[0][0]) == 1
+assert state.LOADED == {0} and len(gather_tile_kernel.device_caches[0][0]) == 1
 print("OK")
 """
 
@@ -362,14 +362,14 @@ def test_gpu_fresh_process_takes_torch_copies_until_a_job_needs_the_kernel():
 def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
     """A 40-piece pack while a warm-up is (made to look) in flight: torch's copies, no launch, no wait,
     and the same bytes as the kernels write."""
-    from ztriton.kernels import Tuning, bits, pack_plan, plan
+    from ztriton.kernels import Tuning, bits, pack_plan, state
 
     gate = threading.Event()
     thread = threading.Thread(target=lambda: gate.wait(30), daemon=True)
     thread.start()
     device = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setattr(plan, "WARMING", {device.index: thread})
-    monkeypatch.setattr(plan, "LOADED", set())  # the suite loaded the kernels first (conftest)
+    monkeypatch.setattr(state, "WARMING", {device.index: thread})
+    monkeypatch.setattr(state, "LOADED", set())  # the suite loaded the kernels first (conftest)
     sources = [torch.randn(37 + i, device=device).to(torch.bfloat16) for i in range(40)]
     offsets = np.cumsum([0] + [s.numel() + 3 for s in sources[:-1]]).tolist()
     end = offsets[-1] + sources[-1].numel() + 5
