@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deepspeed
-from ds_reference import BitsModule, bits, bits_tensor, dtype_config
+from ds_reference import BitsModule, bits, bits_tensor, deepspeed_defragment, dtype_config
 from ztriton.defragmenting import defragment, is_packed
 from ztriton.policy import Tier
 from ztriton.layout import zero3_slice
@@ -36,8 +36,6 @@ def scattered_tensors(dtype=torch.bfloat16):
 
 
 def test_defragment_matches_deepspeeds_and_frees_the_old_storages():
-    from deepspeed.runtime.zero.utils import defragment as deepspeed_defragment
-
     expected_tensors = scattered_tensors()
     expected = deepspeed_defragment(expected_tensors)
     tensors = scattered_tensors()

@@ -22,7 +22,7 @@ import torch
 import deepspeed
 import ztriton  # noqa: F401 - the DeepSpeed hooks of the key (zero.Init)
 import hf_models
-from ds_reference import bits
+from ds_reference import bits, gloo_safe_gathers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.core_model_loading import Concatenate, Transpose, WeightConverter
 from transformers.integrations import deepspeed as hf_deepspeed
@@ -50,7 +50,7 @@ def _installed():
 
 
 def ds_config(backend: str) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **gloo_safe_gathers()}, "bf16": {"enabled": True},
             "partition_backend": backend}
 
 

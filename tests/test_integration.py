@@ -7,8 +7,10 @@ values that travel between ranks on gloo worlds of two processes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import deepspeed
-from ds_reference import BitsModule, bits, bits_tensor, dtype_config, zero3_reference
+from ds_reference import BitsModule, bits, bits_tensor, dtype_config, gloo_safe_gathers, zero3_reference
 from ztriton.integrations.deepspeed import config as integration
 from ztriton.integrations.deepspeed import report, zero_init
 from ztriton.integrations.deepspeed.state import STATE
@@ -44,6 +46,9 @@ def valid_prefix(param: torch.nn.Parameter, rank: int) -> torch.Tensor:
 
 
 def test_import_installs_hooks_once_whichever_is_imported_first(tmp_path):
+    """Eleven functions wrapped once, whichever is imported first; uninstall puts DeepSpeed's own back. The
+    stage-3 optimizer's defragment is wrapped where this DeepSpeed has it: a function of stage3 (from
+    zero.utils), or a staticmethod of DeepSpeedZeroOptimizer_Stage3 that stays one."""
     script = (
         "import os, sys; os.environ['DS_ACCELERATOR'] = 'cpu'\n"
         "first = sys.argv[1]\n"
@@ -52,12 +57,19 @@ def test_import_installs_hooks_once_whichever_is_imported_first(tmp_path):
         "from ztriton.integrations.deepspeed import install as d\n"
         "from ztriton.integrations.deepspeed.state import STATE\n"
         "from deepspeed.runtime.zero import partition_parameters as pp, stage3\n"
-        "n = len(STATE.originals); init = pp.Init.__init__; defrag = stage3.defragment\n"
+        "static = isinstance(vars(stage3.DeepSpeedZeroOptimizer_Stage3).get('defragment'), staticmethod)\n"
+        "assert hasattr(stage3, 'defragment') != static  # exactly one of the two\n"
+        "owner = stage3.DeepSpeedZeroOptimizer_Stage3 if static else stage3\n"
+        "home = 'deepspeed.runtime.zero.stage3' if static else 'deepspeed.runtime.zero.utils'\n"
+        "n = len(STATE.originals); init = pp.Init.__init__; defrag = vars(owner)['defragment']\n"
         "d.install(); d.install()\n"
         "assert d.installed() and len(STATE.originals) == n == 11, n\n"
-        "assert pp.Init.__init__ is init and stage3.defragment is defrag  # not wrapped twice\n"
-        "assert stage3.defragment.__wrapped__.__module__ == 'deepspeed.runtime.zero.utils'\n"
-        "d.uninstall(); assert stage3.defragment.__module__ == 'deepspeed.runtime.zero.utils'\n"
+        "assert pp.Init.__init__ is init and vars(owner)['defragment'] is defrag  # not wrapped twice\n"
+        "assert isinstance(defrag, staticmethod) == static\n"
+        "assert owner.defragment.__wrapped__.__module__ == home\n"
+        "d.uninstall(); restored = vars(owner)['defragment']\n"
+        "assert isinstance(restored, staticmethod) == static and owner.defragment.__module__ == home\n"
+        "assert not hasattr(owner.defragment, '__wrapped__')\n"
         "assert '_add_tensor_creation_wrappers' not in vars(pp.Init)  # inherited again, as before\n"
         "print('ok')\n")
     for first in ("ztriton", "deepspeed"):
@@ -150,8 +162,9 @@ class TwoGroups(torch.nn.Module):
 
 
 def test_params_of_two_partition_groups_in_one_init(fake_world):
-    """Each param is partitioned over its own group, as DeepSpeed does: over 4 ranks, or over the 2 of its
-    expert-parallel subgroup (the Init asks each group's size and rank once, and must not mix them up)."""
+    """Each param is partitioned over the group DeepSpeed gives it: over 4 ranks, or, on a DeepSpeed that honours
+    a param's ``ds_zero_partition_process_group``, over the 2 of its expert-parallel subgroup (the Init asks each
+    group's size and rank once, and must not mix them up); on one that does not, every param over the 4."""
     got = {}
     for backend in ("torch", "triton"):
         with fake_world(4, 1):
@@ -160,8 +173,10 @@ def test_params_of_two_partition_groups_in_one_init(fake_world):
             with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 512})):
                 model = TwoGroups(subgroup)
             got[backend] = {n: (p.ds_tensor.numel(), valid_prefix(p, 1).clone()) for n, p in model.named_parameters()}
+    per_param_groups = got["torch"]["expert"][0] == 5
     assert {n: numel for n, (numel, _) in got["triton"].items()} == \
-        {"shared": 3, "expert": 5, "big_shared": 75, "big_expert": 150}
+        ({"shared": 3, "expert": 5, "big_shared": 75, "big_expert": 150} if per_param_groups else
+         {"shared": 3, "expert": 3, "big_shared": 75, "big_expert": 75})
     for name, (numel, values) in got["torch"].items():
         assert got["triton"][name][0] == numel and torch.equal(got["triton"][name][1], values), name
 
@@ -192,6 +207,10 @@ def test_an_init_of_placeholders_only_never_probes_for_a_staging_chunk(fake_worl
         assert len(asked) == 1
 
 
+# hpZ's secondary partition of a 1-element param fails in some DeepSpeed releases (a slice past its end).
+HPZ_SHAPES = [shape for shape in SHAPES if math.prod(shape) > 1]
+
+
 def test_unsupported_mode_falls_back_with_one_log_line(fake_world, caplog):
     """hpZ (secondary partitions) is DeepSpeed's alone: the key logs that and DeepSpeed partitions."""
     extra = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}
@@ -200,7 +219,7 @@ def test_unsupported_mode_falls_back_with_one_log_line(fake_world, caplog):
         with fake_world(4, 1), caplog.at_level(logging.INFO, logger="ztriton"):
             caplog.clear()
             with deepspeed.zero.Init(config_dict_or_path={**config(backend), **extra}):
-                model = BitsModule(SHAPES, seed=1)
+                model = BitsModule(HPZ_SHAPES, seed=1)
             sizes[backend] = [(p.ds_tensor.numel(), valid_prefix(p, 1).clone()) for p in model.parameters()]
             lines = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
             assert lines == ([] if backend == "torch" else
@@ -224,9 +243,12 @@ class TinyNet(torch.nn.Module):
         return self.out(torch.relu(self.hidden(torch.relu(self.inp(x)))))
 
 
-def train(stage: int, dtype: torch.dtype, backend: str, steps: int = 3, under_init: bool = True):
-    """Losses and final parameter bytes of a few steps of ``stage`` in the current world."""
+def train(stage: int, dtype: torch.dtype, backend: str, steps: int = 3, under_init: bool = True,
+          zero: dict | None = None):
+    """Losses and final parameter bytes of a few steps of ``stage`` in the current world (``zero``: more
+    ``zero_optimization`` settings)."""
     cfg = config(backend, stage=stage, dtype=dtype)
+    cfg["zero_optimization"].update(zero or {})
     torch.manual_seed(1234)
     if stage == 3 and under_init:
         with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -387,16 +409,55 @@ def test_zero2_flatten_on_the_device_waits_for_nothing(fake_world, caplog, monke
     assert " in 0.0 ms" not in line and "peak device n/a" not in line, line
 
 
+def _own_flat_keeps_autograd_history() -> bool:
+    """Whether DeepSpeed's own ZeRO-1/2 init-time flat buffer carries the params' autograd history (a
+    ``torch.cat`` of them, not detached), which gloo's all-gather into its views refuses at the first step."""
+    model = TinyNet().bfloat16()
+    engine = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  config=config("torch", stage=2))[0]
+    try:
+        return engine.optimizer.bit16_groups_flat[0].grad_fn is not None
+    finally:
+        engine.destroy()
+
+
+@contextlib.contextmanager
+def _flat_buffers_detached():
+    """DeepSpeed's ZeRO-1/2 flattens, their results detached (as later releases detach the init-time one): the
+    bytes are DeepSpeed's own."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    flatten = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
+    DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = lambda self, *a, **k: flatten(self, *a, **k).detach()
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = flatten
+
+
 def _train_both(rank, world_size, stage, under_init):
-    return train(stage, torch.bfloat16, "torch", under_init=under_init), \
-        train(stage, torch.bfloat16, "triton", under_init=under_init)
+    """Key off and key on; where DeepSpeed's own ZeRO-1/2 step fails on gloo (its flat buffer keeps autograd
+    history), that failure is returned too, and key off runs with its flat buffers detached."""
+    refused, detached = None, contextlib.nullcontext()
+    zero = gloo_safe_gathers() if stage == 3 else {}
+    if stage != 3 and _own_flat_keeps_autograd_history():
+        try:
+            train(stage, torch.bfloat16, "torch", under_init=under_init)
+            refused = "DeepSpeed's own step ran"
+        except RuntimeError as exc:
+            refused = str(exc)
+        detached = _flat_buffers_detached()
+    with detached:
+        off = train(stage, torch.bfloat16, "torch", under_init=under_init, zero=zero)
+    return off, train(stage, torch.bfloat16, "triton", under_init=under_init, zero=zero), refused
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, under_init", [(2, False), (3, True), (3, False)])
 def test_training_key_on_matches_key_off_on_gloo(gloo_world, stage, under_init):
     """Real collectives: gradients reduce and partitions gather across two processes."""
-    for off, on in gloo_world(_train_both, 2, stage, under_init):
+    for off, on, refused in gloo_world(_train_both, 2, stage, under_init):
+        assert refused is None or "is a view and is being modified inplace" in refused, refused
         assert off[0] == on[0]
         for a, b in zip(off[1], on[1], strict=True):
             assert torch.equal(a, b)
@@ -406,7 +467,9 @@ def _salted_partitions(rank, world_size):
     """Each rank builds different values; both backends must leave rank 0's everywhere."""
     out = {}
     for backend in ("torch", "triton"):
-        with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 64})):
+        cfg = config(backend, ztriton={"host_init_bytes": 64})
+        cfg["zero_optimization"].update(gloo_safe_gathers())
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = BitsModule(SHAPES, seed=5, rank_salt=True)
         out[backend] = [valid_prefix(p, rank).clone() for p in model.parameters()]
         with deepspeed.zero.GatheredParameters(list(model.parameters())):

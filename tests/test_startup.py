@@ -138,7 +138,9 @@ def deepspeed_default_logging(capsys):
 
     from deepspeed.utils import logger
 
-    saved = logger.level, [(h, h.level, getattr(h, "stream", None)) for h in logger.handlers], list(logger.filters)
+    # DeepSpeed's own handlers: pytest (9.2 on) attaches its capture handlers to non-propagating loggers too.
+    own = [h for h in logger.handlers if not type(h).__module__.startswith("_pytest")]
+    saved = logger.level, [(h, h.level, getattr(h, "stream", None)) for h in own], list(logger.filters)
     logger.setLevel(logging.WARNING)
     for handler, _, _ in saved[1]:
         handler.setLevel(logging.WARNING)

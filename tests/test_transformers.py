@@ -50,7 +50,7 @@ import torch
 
 import deepspeed  # noqa: F401 - imported before transformers' integration so that ztriton's hooks are in place
 import ztriton  # noqa: F401 - installs the "partition_backend" hooks
-from ds_reference import bits
+from ds_reference import bits, gloo_safe_gathers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, ZambaConfig
 from transformers.integrations import deepspeed as hf_deepspeed
@@ -86,7 +86,7 @@ SHARDED_PARAM = re.compile(r"(?:shard \(|, )(?P<module>\w+)\.(?P<param>\w+) \(")
 
 
 def ds_config(backend: str, host_init_bytes: int | None = None) -> dict[str, Any]:
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **gloo_safe_gathers()}, "bf16": {"enabled": True},
            "partition_backend": backend}
     if host_init_bytes is not None:
         cfg["ztriton"] = {"host_init_bytes": host_init_bytes}

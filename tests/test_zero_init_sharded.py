@@ -413,6 +413,7 @@ _NO_DYNAMO_SCRIPT = """
 import os, sys
 os.environ.setdefault("TRITON_INTERPRET", "1"); os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch, deepspeed
+imported_by_deepspeed = "torch._dynamo" in sys.modules
 from ztriton.testing import simulated_world
 class M(torch.nn.Module):
     def __init__(self):
@@ -424,20 +425,22 @@ cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "
 with simulated_world(2, 1):
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         m = M()
-print("RESULT", "torch._dynamo" in sys.modules, m.a.ds_tensor.numel(), m.b.ds_tensor.numel())
+print("RESULT", imported_by_deepspeed, "torch._dynamo" in sys.modules, m.a.ds_tensor.numel(), m.b.ds_tensor.numel())
 """
 
 
 def test_a_fresh_process_records_without_importing_dynamo():
     """Placeholders under zero.Init in a fresh process: no crash (torch._dynamo cannot be imported once
-    DeepSpeed has patched Tensor.__new__) and no torch._dynamo import at all (1.3-1.8 s of fixed cost)."""
+    DeepSpeed has patched Tensor.__new__) and no torch._dynamo import by ztriton (1.3-1.8 s of fixed cost): none
+    at all where ``import deepspeed`` did not import it already (some DeepSpeed releases do)."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _NO_DYNAMO_SCRIPT], capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
-    assert lines[-1] == "RESULT False 2048 2048"
+    _, by_deepspeed, after_init, *numels = lines[-1].split()
+    assert numels == ["2048", "2048"] and after_init == by_deepspeed, lines[-1]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -446,7 +449,9 @@ def test_one_summary_line_per_init_on_rank_0(rank, fake_world, caplog):
     with fake_world(2, rank), caplog.at_level(logging.INFO, logger="ztriton"):
         with deepspeed.zero.Init(config_dict_or_path=config("triton")):
             torch.nn.Linear(64, 64)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ztriton: zero.Init: ")]
+    # ztriton's logger's records (pytest 9.2 on also captures DeepSpeed's non-propagating logger, which says it too)
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "ztriton" and r.getMessage().startswith("ztriton: zero.Init: ")]
     if rank:
         assert lines == []
     else:

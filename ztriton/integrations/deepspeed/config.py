@@ -151,11 +151,23 @@ def start_kernel_warm_up() -> None:
         logging.getLogger("ztriton").debug("ztriton: kernel warm-up not started (%s)", exc)
 
 
-def config_init(original, self, config, *args, **kwargs):
+def _dict_of_config_object(config_class: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """DeepSpeed cannot read a ``DeepSpeedConfig`` given as a config (``zero.Init(config_dict_or_path=<one>)``
+    fails in ``os.path.exists``): one whose key asks for ztriton is read as its dict; any other argument goes to
+    DeepSpeed as it came."""
+    in_kwargs = not args and "config" in kwargs
+    config = kwargs["config"] if in_kwargs else (args[0] if args else None)
+    if not isinstance(config, config_class) or not settings_from(config).triton:
+        return args, kwargs
+    if in_kwargs:
+        return args, {**kwargs, "config": config._param_dict}
+    return (config._param_dict, *args[1:]), kwargs
+
+
+def config_init(original, self, *args, **kwargs):
     """``DeepSpeedConfig.__init__``: the key is read and checked wherever DeepSpeed reads a config."""
-    if isinstance(config, type(self)):  # zero.Init(config_dict_or_path=<DeepSpeedConfig>): read its dict
-        config = config._param_dict
-    original(self, config, *args, **kwargs)
+    args, kwargs = _dict_of_config_object(type(self), args, kwargs)
+    original(self, *args, **kwargs)
     settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
     if settings.triton:
         from ztriton.integrations.standaside import announce

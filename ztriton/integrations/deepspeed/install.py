@@ -10,15 +10,17 @@ key DeepSpeed behaves exactly as before:
 * ``zero.Init`` (``__init__``, ``_post_init_method``, ``_convert_to_zero_parameters``, the
   tensor-creation wrappers)         partitions through ztriton -- :mod:`.zero_init`.
 * ``DeepSpeedEngine._configure_zero_optimizer``, ``DeepSpeedZeroOptimizer`` (ZeRO-1/2: its init-time
-  flatten), ``stage3.defragment`` (ZeRO-3: ``lp_param_buffer``), the accelerator's
+  flatten), the stage-3 optimizer's ``defragment`` (ZeRO-3: ``lp_param_buffer``), the accelerator's
   ``available_memory``                                                   -- :mod:`.optimizers`.
+
+Where DeepSpeed releases differ in one of these internals, :mod:`.variants` tells which variant is installed.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
-from ztriton.integrations.deepspeed import optimizers, zero_init
+from ztriton.integrations.deepspeed import optimizers, variants, zero_init
 from ztriton.integrations.deepspeed.config import CONFIG_KEY, config_init
 from ztriton.integrations.deepspeed.state import STATE
 from ztriton.integrations.standaside import announce, stand_aside
@@ -49,11 +51,14 @@ def install() -> bool:
 
 
 def _install_all() -> None:
+    """Check every internal the hooks rely on and pick the installed DeepSpeed's variants (:mod:`.variants`;
+    raises before anything is wrapped if one is unknown), then wrap."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime import config as config_module
     from deepspeed.runtime import engine as engine_module
-    from deepspeed.runtime.zero import partition_parameters, stage3, stage_1_and_2
+    from deepspeed.runtime.zero import partition_parameters, stage_1_and_2
 
+    STATE.variants = variants.detect()
     init = partition_parameters.Init
     _wrap(config_module.DeepSpeedConfig, "__init__", config_init)
     _wrap(init, "__init__", zero_init.init_init)
@@ -64,8 +69,18 @@ def _install_all() -> None:
     _wrap(engine_module.DeepSpeedEngine, "_do_sanity_check", optimizers.engine_do_sanity_check)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", optimizers.zero12_init)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", optimizers.zero12_flatten)
-    _wrap(stage3, "defragment", optimizers.stage3_defragment)
+    wrap_defragment = _wrap_staticmethod if STATE.variants.defragment_static else _wrap
+    wrap_defragment(STATE.variants.defragment_owner, "defragment", optimizers.stage3_defragment)
     _wrap(type(get_accelerator()), "available_memory", optimizers.accelerator_available_memory)
+
+
+def _wrap_staticmethod(owner: type, name: str, wrapper: Callable) -> None:
+    """:func:`_wrap` for a staticmethod: the wrapper stays one, and :func:`uninstall` puts back the staticmethod
+    object itself."""
+    descriptor = vars(owner)[name]
+    _wrap(owner, name, wrapper)
+    STATE.originals[(owner, name)] = (descriptor, True)
+    setattr(owner, name, staticmethod(getattr(owner, name)))
 
 
 def _install_key_reader() -> None:

@@ -73,52 +73,58 @@ def zero12_init(original, self, *args, **kwargs):
             say()
 
 
-def zero12_flatten(original, self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
-    """``DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned``."""
+def zero12_flatten(original, self, *args, **kwargs):
+    """``DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned``: the init-time call (told apart by the installed
+    DeepSpeed's variant, :mod:`.variants`) goes through ztriton; every other call is DeepSpeed's, as it came."""
     owner, settings, summaries = STATE.flattening.get() or (None, None, None)
-    # Only the init-time call passes param_padding; step() and checkpoint loading stay DeepSpeed's.
-    if owner is not self or use_cpu_data or param_padding is None:
-        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
-    index = len(self.bit16_groups_flat)
-    group = self.real_dp_process_group[index]
-    mismatch = _zero12_layout_mismatch(self, index, tensor_list, alignment, group)
+    call = STATE.variants.flatten_call(self, args, kwargs) if owner is self else None
+    if call is None:
+        return original(self, *args, **kwargs)
+    group = self.real_dp_process_group[call.index]
+    mismatch = _zero12_layout_mismatch(call, group)
     if mismatch:
-        logger.warning("ztriton: group %d's layout differs from DeepSpeed's (%s); DeepSpeed flattens it", index, mismatch)
-        return original(self, tensor_list, alignment, use_cpu_data, param_padding)
+        logger.warning("ztriton: group %d's layout differs from DeepSpeed's (%s); DeepSpeed flattens it", call.index,
+                       mismatch)
+        return original(self, *args, **kwargs)
     from ztriton.flatten import flatten_groups  # on first use (triton only for a launch)
 
     options = settings.options
+    tensors = call.tensors
     # DeepSpeed re-points every param into the buffer right after (_update_model_bit16_weights), and goes on
     # with host work while the copies run: no re-pointing here, and nothing waits for the device.
     (flat,), clock, peak = report.timed_on_stream(lambda: flatten_groups(
-        [tensor_list], group, parameter_alignment=self.parameter_alignment, headroom_bytes=options.headroom_bytes,
-        chunk_bytes=options.chunk_bytes, repoint=False), tensor_list[0].device)
-    summaries.append(report.summary_later(f"ZeRO-1/2 flatten, group {index}", clock, tier=flat.tier,
+        [tensors], group, parameter_alignment=call.parameter_alignment, headroom_bytes=options.headroom_bytes,
+        chunk_bytes=options.chunk_bytes, repoint=False), tensors[0].device)
+    summaries.append(report.summary_later(f"ZeRO-1/2 flatten, group {call.index}", clock, tier=flat.tier,
                                           nbytes=flat.flat.numel() * flat.flat.element_size(), peak_bytes=peak,
-                                          params=len(tensor_list)))
+                                          params=len(tensors)))
     return flat.flat
 
 
-def _zero12_layout_mismatch(optimizer, index: int, tensors: list, alignment: int, group) -> str | None:
-    """Why ztriton's layout of this group would differ from the one DeepSpeed just computed, or None."""
+def _zero12_layout_mismatch(call, group) -> str | None:
+    """Why ztriton's layout of this group would differ from DeepSpeed's, or None. Where DeepSpeed recorded the
+    offsets and pads it computed, they must be ztriton's."""
     world = torch.distributed.get_world_size(group)
-    if alignment != NCCL_START_ALIGNMENT_FACTOR * world:
-        return f"alignment {alignment} is not {NCCL_START_ALIGNMENT_FACTOR} x world size {world}"
-    if not all(t.requires_grad and t.numel() > 0 for t in tensors):
+    if call.alignment != NCCL_START_ALIGNMENT_FACTOR * world:
+        return f"alignment {call.alignment} is not {NCCL_START_ALIGNMENT_FACTOR} x world size {world}"
+    tensors = call.tensors
+    if not tensors or not all(t.requires_grad and t.numel() > 0 for t in tensors):
         return "a frozen or empty tensor in the group"
+    if call.offsets is None:
+        return None
     layout = zero12_group_layout([t.numel() for t in tensors], world, element_size=tensors[0].element_size(),
-                                 parameter_alignment=optimizer.parameter_alignment)
-    if list(layout.offsets) != list(optimizer.round_robin_bit16_offsets[index]) or \
-            list(layout.paddings) != list(optimizer.round_robin_bit16_padding[index]):
+                                 parameter_alignment=call.parameter_alignment)
+    if list(layout.offsets) != list(call.offsets) or list(layout.paddings) != list(call.paddings):
         return "offsets or paddings"
     return None
 
 
-def stage3_defragment(original, tensors):
-    """``deepspeed.runtime.zero.stage3.defragment``: the ZeRO-3 optimizer's ``lp_param_buffer``."""
+def stage3_defragment(original, *args, **kwargs):
+    """The stage-3 optimizer's ``defragment(tensors)`` (where it lives: :mod:`.variants`): its ``lp_param_buffer``."""
     settings = STATE.building_optimizer.get()
     if settings is None or not settings.triton:
-        return original(tensors)
+        return original(*args, **kwargs)
+    tensors = args[0] if args else kwargs["tensors"]
     from ztriton.defragmenting import defragment  # on first use (triton only for a launch)
 
     report.banner("partition_backend='triton': the ZeRO-3 optimizer's flat partition buffer is built by "

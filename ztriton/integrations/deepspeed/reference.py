@@ -9,7 +9,8 @@ __all__ = ["deepspeed_flatten"]
 
 
 def deepspeed_flatten(tensors: Sequence[torch.Tensor], paddings: Sequence[int], alignment: int) -> torch.Tensor:
-    """DeepSpeed 0.19.8's on-device ZeRO-1/2 flatten: fresh pad tensors, align, ``torch.cat``."""
+    """DeepSpeed's on-device ZeRO-1/2 flatten: fresh pad tensors after each param, align, ``torch.cat`` (the
+    releases without ``parameter_alignment`` pad nothing between params: all ``paddings`` zero)."""
     from torch._utils import _flatten_dense_tensors
 
     from deepspeed.runtime.utils import align_dense_tensors

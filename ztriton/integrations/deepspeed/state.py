@@ -4,7 +4,8 @@
 * while a ZeRO optimizer is constructed under an engine: that engine's settings (a context variable,
   so other threads and later engines are not affected), and whether the accelerator reports
   unbounded free memory;
-* the DeepSpeed functions :mod:`.install` replaced, to put them back.
+* the DeepSpeed functions :mod:`.install` replaced, to put them back, and the adapters it chose for the
+  installed DeepSpeed's variant of each internal (:mod:`.variants`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ class HookState:
     originals: dict[tuple[Any, str], tuple[Any, bool]] = field(default_factory=dict)
     # The same for the one hook left where ztriton stands aside from DeepSpeed (it only reads the key).
     key_reader: dict[tuple[Any, str], tuple[Any, bool]] = field(default_factory=dict)
+    # The installed DeepSpeed's variants (a variants.Variants), set at install before any hook can run.
+    variants: Any = None
 
     def init(self, init) -> InitState | None:
         """The state of a ``zero.Init`` object, None if it was not made while the hooks were installed."""

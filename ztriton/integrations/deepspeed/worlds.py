@@ -60,6 +60,31 @@ def _reset_deepspeed_comm() -> None:
     importlib.import_module("deepspeed.comm.comm").cdb = None
 
 
+# deepspeed.utils.groups' caches of process groups: dicts emptied, the others set back to what they hold before
+# any world.
+_GROUP_MAPS = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+               "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
+_GROUP_VALUES = {"_WORLD_GROUP": None, "_ZERO_PARAM_INTRA_PARALLEL_GROUP": None, "_TENSOR_MODEL_PARALLEL_GROUP": None,
+                 "_MODEL_PARALLEL_GROUP": None, "_DATA_PARALLEL_GROUP": None,
+                 "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_TENSOR_MODEL_PARALLEL_RANK": None,
+                 "mesh_device": None, "mpu": None, "expert_tensor_parallel_world_size": 1}
+
+
+def _release_group_caches() -> None:
+    """Forget the process groups DeepSpeed cached in ``deepspeed.utils.groups`` (the world's clone, data and
+    expert parallel groups), so that the next world's engine does not use a group of this one. A DeepSpeed whose
+    ``destroy_process_group`` releases them itself (``groups._release_process_group_references``) needs nothing."""
+    groups = importlib.import_module("deepspeed.utils.groups")
+    if hasattr(groups, "_release_process_group_references"):
+        return
+    for name in _GROUP_MAPS:
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+    for name, value in _GROUP_VALUES.items():
+        if hasattr(groups, name):
+            setattr(groups, name, value)
+
+
 def teardown_world() -> None:
     """Destroy whatever world is initialised (torch.distributed and DeepSpeed's wrapper of it)."""
     comm = importlib.import_module("deepspeed.comm.comm")
@@ -71,6 +96,7 @@ def teardown_world() -> None:
                 torch.distributed.destroy_process_group()
     finally:
         _reset_deepspeed_comm()
+        _release_group_caches()
 
 
 def rank_environment(world_size: int, rank: int, local_rank: int, port: int, master: str = "127.0.0.1") -> dict[str, str]:

@@ -125,10 +125,11 @@ def _partition_options(init) -> policy.Options:
 # ---------------------------------------------------------------------------------- a module's end
 
 
-def init_post_init_method(original, self, module):
+def init_post_init_method(original, self, *args, **kwargs):
     """``Init._post_init_method``: a module's own parameters, partitioned as its ``__init__`` returns."""
     if not _uses_ztriton(self):
-        return original(self, module)
+        return original(self, *args, **kwargs)
+    module = args[0] if args else kwargs["module"]
     recorder = _RECORDERS.get(self)
     with recorder.paused() if recorder is not None else contextlib.nullcontext():
         _post_init(self, module)
@@ -146,7 +147,7 @@ def _post_init(self, module: torch.nn.Module) -> None:
     placeholder_ids = {id(param) for _, param, _ in sharded}
     _partition_through_ztriton(self, [(n, p) for n, p in named if not is_zero3_param(p) and id(p) not in placeholder_ids])
     _install_sharded(self, sharded)
-    self._keep_in_fp32(module)
+    STATE.variants.keep_in_fp32(self, module)  # what DeepSpeed's _post_init_method does after partitioning
 
 
 def _take_placeholders(init, module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, Record]]:
@@ -179,7 +180,7 @@ def _install_sharded(init, sharded: list[tuple[str, torch.nn.Parameter, Record]]
     target = init.dtype if DeepSpeedTensorOverride.dtype in init.tensor_overrides else None
     buckets: dict[int, tuple[Any, list]] = {}
     for item in sharded:
-        group = getattr(item[1], "ds_zero_partition_process_group", init.ds_process_group)
+        group = STATE.variants.partition_group(init, item[1])
         buckets.setdefault(id(group), (group, []))[1].append(item)
     home = _partition_home(init)
     nbytes = 0
@@ -240,10 +241,11 @@ def _replayed_partition(record: Record, world_size: int, rank: int, home: torch.
     return out
 
 
-def init_convert_to_zero_parameters(original, self, param_list):
+def init_convert_to_zero_parameters(original, self, *args, **kwargs):
     """``Init._convert_to_zero_parameters`` (``zero.Init(module=...)`` and late parameters)."""
     if not _uses_ztriton(self):
-        return original(self, param_list)
+        return original(self, *args, **kwargs)
+    param_list = args[0] if args else kwargs["param_list"]
     params = [p for p in param_list if not is_zero3_param(p)]
     _partition_through_ztriton(self, [(f"param[{i}]", p) for i, p in enumerate(params)])
 
@@ -257,7 +259,7 @@ def _partition_through_ztriton(init, named: list[tuple[str, torch.nn.Parameter]]
     nbytes = sum(p.numel() * p.dtype.itemsize for _, p in named)  # before partitioning empties them
     buckets: dict[int, tuple[Any, list]] = {}
     for name, param in named:
-        group = getattr(param, "ds_zero_partition_process_group", init.ds_process_group)
+        group = STATE.variants.partition_group(init, param)
         buckets.setdefault(id(group), (group, []))[1].append((name, param))
     options = _partition_options(init)
     local = torch.device(init.local_device)
