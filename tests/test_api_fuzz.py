@@ -263,3 +263,19 @@ def test_entry_points_refuse_junk(fake_world, func, arg, make, call, junk):
             assert_refused_cleanly(lambda: call(args), watched_of(args), (arg,))
     else:
         assert_refused_cleanly(lambda: call(args), watched_of(args), (arg,))
+
+
+# Junk one level down in an entry point's params: a group, a group's "params", one param, one partition.
+INNER_CASES = [
+    ("flatten_groups", "param_groups", lambda junk: ztriton.flatten_groups([{"params": junk}])),
+    ("flatten_groups", "param_groups", lambda junk: ztriton.flatten_groups([_grad_params(), junk])),
+    ("flatten_groups", "param_groups", lambda junk: ztriton.flatten_groups([[*_grad_params(), junk]])),
+    ("defragment", "tensors", lambda junk: ztriton.defragment([torch.arange(5.0), junk])),
+]
+
+
+@pytest.mark.parametrize("func,arg,call", INNER_CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(INNER_CASES)])
+@FUZZ
+@given(junk=JUNK)
+def test_entry_points_refuse_junk_inside_params(func, arg, call, junk):
+    assert_refused_cleanly(lambda: call(junk), watched_of({"junk": junk}), (arg,))

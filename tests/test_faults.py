@@ -69,7 +69,12 @@ def free_memory(free_bytes: int):
 
 
 def _params(seed: int):
-    return [torch.nn.Parameter(bits_tensor(s, torch.float32, seed, i).clone()) for i, s in enumerate(SHAPES)]
+    """Contiguous params, a transposed one (the kernels' check of a strided param allocates a scratch) and a
+    1-element slice of stride 2 right before its neighbour in memory (contiguous, yet no byte view of it)."""
+    params = [torch.nn.Parameter(bits_tensor(s, torch.float32, seed, i).clone()) for i, s in enumerate(SHAPES)]
+    strided = bits_tensor((4, 3), torch.float32, seed, len(SHAPES)).clone().t()
+    pair = bits_tensor((8,), torch.float32, seed, len(SHAPES) + 1).clone()
+    return params + [torch.nn.Parameter(strided), torch.nn.Parameter(pair[3::2][:1]), torch.nn.Parameter(pair[4:])]
 
 
 def _check_intact(params, before) -> None:
@@ -145,13 +150,45 @@ def _gloo_sweeps(rank, world_size):
     for tier, free in CASES:
         counts.append(_sweep_flatten(tier, free, "collective", Fault, rank))
         counts.append(_sweep_flatten(tier, free, "allocation", OutOfMemory, rank))
-        counts.append(_sweep_flatten(tier, free, "allocation", Fault, rank, ranks={1}))  # one rank alone fails
+        counts += _sweeps_alone(tier, free, rank, world_size)
     return counts
 
 
+def _sweeps_alone(tier: str, free: int, rank: int, world_size: int) -> list[int]:
+    """One rank alone fails, each in turn: an error that is not an OOM (which no tier takes), and where a tier
+    is collective an OOM too (that rank's fall-through must become every rank's)."""
+    errors = [Fault, OutOfMemory] if tier == "distributed" else [Fault]
+    return [_sweep_flatten(tier, free, "allocation", error, rank, ranks={alone})
+            for alone in range(world_size) for error in errors]
+
+
+# W = 3: the cases whose steps are collective (the checks' agreement, the distributed tier), one rank alone failing.
+CASES_W3 = [("device", 1 << 30), ("distributed", 0)]
+
+
+def _gloo_sweeps_alone(rank, world_size):
+    """Flatten's collective cases, then partition's scatter path (each rank alone failing, each in turn)."""
+    flatten = [count for tier, free in CASES_W3 for count in _sweeps_alone(tier, free, rank, world_size)]
+    partition = [_sweep_partition("allocation", Fault, world_size, rank, ranks={alone}) for alone in range(world_size)]
+    return flatten, partition
+
+
 def test_flatten_sweep_gloo(gloo_world):
-    counts = gloo_world(_gloo_sweeps, 2, timeout=80)
+    """Every allocation and collective of every tier fails on every rank, and every allocation on one rank
+    alone (each in turn): no rank hangs (the world's timeout fails the test), and every param keeps its
+    values or the result is complete."""
+    counts = gloo_world(_gloo_sweeps, 2, timeout=120)
     assert all(c >= 1 for c in counts[0])
+
+
+@pytest.mark.slow
+def test_sweeps_gloo_three_ranks_one_failing(gloo_world):
+    """W = 3, one rank alone failing each allocation in turn, in flatten and in partition: no rank hangs."""
+    results = gloo_world(_gloo_sweeps_alone, 3, timeout=150)
+    flatten, partition = results[0]
+    assert all(c >= 1 for c in flatten) and all(r == results[0] for r in results), results
+    # every rank: a buffer per dtype and the kernels' check scratch; rank 0 also its scatter staging per dtype
+    assert partition == [5, 3, 3], partition
 
 
 def _partitions(seed: int):
@@ -196,10 +233,16 @@ PARTITION_CHUNK_BYTES = 1 << 20
 
 
 class _Params(torch.nn.Module):
+    """PARTITION_PARAMS, then a transposed param and a 1-element slice of stride 2 (contiguous, yet no byte view
+    of it) right before its neighbour in memory."""
+
     def __init__(self, seed: int):
         super().__init__()
-        self.params = torch.nn.ParameterList([torch.nn.Parameter(bits_tensor(s, d, seed, i).clone())
-                                              for i, (s, d) in enumerate(PARTITION_PARAMS)])
+        params = [torch.nn.Parameter(bits_tensor(s, d, seed, i).clone()) for i, (s, d) in enumerate(PARTITION_PARAMS)]
+        strided = bits_tensor((4, 3), torch.float32, seed, len(params)).clone().t()
+        pair = bits_tensor((8,), torch.float32, seed, len(params) + 1).clone()
+        params += [torch.nn.Parameter(strided), torch.nn.Parameter(pair[3::2][:1]), torch.nn.Parameter(pair[4:])]
+        self.params = torch.nn.ParameterList(params)
 
 
 def _check_partitioned(module, want, world_size: int, rank: int) -> None:
@@ -247,24 +290,55 @@ def test_partition_sweep_local_path(kind, error, rank):
     """The local path (a fake world: each rank slices its own values) makes no collective of its own."""
     with fake_world(2, rank):
         faults = _sweep_partition(kind, error, 2, rank, fake=True)
-    assert faults == (len({d for _, d in PARTITION_PARAMS}) if kind == "allocation" else 0)  # a buffer per dtype
+    # a buffer per dtype, and the scratch of the kernels' check of the transposed param
+    assert faults == (len({d for _, d in PARTITION_PARAMS}) + 1 if kind == "allocation" else 0)
 
 
 def _gloo_partition_sweeps(rank, world_size):
-    return [_sweep_partition("collective", Fault, world_size, rank),  # every rank's Nth collective fails
-            _sweep_partition("allocation", OutOfMemory, world_size, rank),
-            _sweep_partition("allocation", Fault, world_size, rank, ranks={0}),  # rank 0 alone fails (its staging)
-            _sweep_partition("allocation", Fault, world_size, rank, ranks={1})]  # rank 1 alone fails
+    counts = [_sweep_partition("collective", Fault, world_size, rank),  # every rank's Nth collective fails
+              _sweep_partition("allocation", OutOfMemory, world_size, rank),
+              # one rank alone fails, each in turn (rank 0: its scatter staging too)
+              *[_sweep_partition("allocation", Fault, world_size, rank, ranks={alone}) for alone in range(world_size)]]
+    _staging_fails_first(STAGING_FAILURES, world_size, rank)
+    return counts
+
+
+class _StagingFaults:
+    """Fails rank 0's first ``count`` scatter staging allocations (every other allocation goes through)."""
+
+    def __init__(self, count: int, rank: int):
+        self.left, self.hit = (count if rank == 0 else 0), 0
+
+    def __call__(self, what: str) -> None:
+        if what == "scatter staging" and self.left:
+            self.left -= 1
+            self.hit += 1
+            raise OutOfMemory(f"injected: scatter staging #{self.hit}")
+
+
+STAGING_FAILURES = 3  # from one 1 MiB chunk down to 128 KiB: below the smallest chunk_bytes a caller may ask for
+
+
+def _staging_fails_first(count: int, world_size: int, rank: int) -> None:
+    """``ztriton.partition`` whose first ``count`` staging allocations fail: it retries smaller and completes."""
+    module, want = _Params(rank), list(_Params(0).parameters())
+    faults = _StagingFaults(count, rank)
+    with mock.patch.object(memory, "fault_hook", faults):
+        result = ztriton.partition(module, chunk_bytes=PARTITION_CHUNK_BYTES)
+    assert result.path.value == "scatter"
+    _check_partitioned(module, want, world_size, rank)
+    assert faults.hit == (count if rank == 0 else 0)
 
 
 @pytest.mark.slow
 def test_partition_sweep_scatter_path_gloo(gloo_world):
     """The scatter path (rank 0 scatters its values): every failure, on every rank or on one, is agreed; no rank
-    hangs (the world's timeout fails the test)."""
-    counts = gloo_world(_gloo_partition_sweeps, 2, timeout=120)
+    hangs (the world's timeout fails the test). Staging that does not fit is retried smaller."""
+    counts = gloo_world(_gloo_partition_sweeps, 2, timeout=150)
     # collectives: the checks' agreement, then per dtype the buffer's, the staging's and each chunk's (2 + 1 chunks);
-    # allocations: per dtype the buffer (every rank) and rank 0's scatter staging
-    assert counts[0] == counts[1] and counts[0][0] >= 8 and counts[0][1:] >= [4, 4, 2], counts
+    # allocations: per dtype the buffer (every rank), rank 0's scatter staging, the kernels' check scratch
+    assert counts[0] == counts[1] and counts[0][0] >= 8, counts
+    assert all(c >= least for c, least in zip(counts[0][1:], [5, 5, 3])), counts
 
 
 # ---------------------------------------------------------------------------------------------- loader

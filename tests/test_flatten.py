@@ -664,10 +664,25 @@ def test_empty_groups_give_empty_flat_buffers():
     ({"params": [_p(3)]}, TypeError, r"param_groups must be a list of groups"),
     ([{"lr": 1.0}], TypeError, r"param_groups\[0\] is a dict without 'params'"),
     ([[_p(3), "x"]], TypeError, r"param_groups\[0\] params\[1\] is a str, not a tensor"),
+    ([{"params": None}], TypeError, r"param_groups\[0\]\['params'\] must be a list of tensors.*got NoneType"),
+    ([{"params": 3}], TypeError, r"param_groups\[0\]\['params'\] must be a list of tensors.*got int"),
+    ([{"params": "w"}], TypeError, r"param_groups\[0\]\['params'\] must be a list of tensors.*got str"),
+    ([{"params": {_p(3)}}], TypeError, r"param_groups\[0\]\['params'\] must be a list of tensors.*got set"),
+    ([{"params": {"w": _p(3)}}], TypeError, r"param_groups\[0\]\['params'\] must be a list of tensors.*got dict"),
+    ([[_p(3)], None], TypeError, r"param_groups\[1\] must be a list of tensors.*got NoneType"),
+    ([[_p(3)], 7], TypeError, r"param_groups\[1\] must be a list of tensors.*got int"),
+    ("groups", TypeError, r"param_groups must be a list of groups.*got str"),
+    ({_p(3)}, TypeError, r"param_groups must be a list of groups.*got set"),
 ])
 def test_bad_groups_rejected(groups, error, pattern):
+    """A group or its params of the wrong kind: refused naming it, before any group moves (the first
+    group, valid, keeps its memory)."""
+    first = [g for g in groups if isinstance(g, list) and g and isinstance(g[0], torch.Tensor)] \
+        if isinstance(groups, list) else []
+    before = [(p, p.data_ptr()) for g in first for p in g if isinstance(p, torch.Tensor)]
     with pytest.raises(error, match=pattern):
         ztriton.flatten_groups(groups)
+    assert all(p.data_ptr() == ptr for p, ptr in before)
 
 
 def test_single_tensor_params_entry_is_one_param():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ztriton import staging
+from ztriton.memory import OutOfMemory
 from ztriton.staging import StagingRing
 
 
@@ -219,3 +220,97 @@ def test_spill_copies_lands_each_source_back_to_back_in_one_loan():
     with pytest.raises(RuntimeError, match="copy failed"):
         staging.spill_copies(sources, torch.device("cpu"), "test spill", copy=failing)
     assert sources[1].tolist() == [10.0, 11.0, 12.0, 13.0]
+
+
+def test_copy_staged_takes_contiguous_tensors_with_any_strides_on_size_one_dims():
+    """torch calls a 1-element slice of stride 2 contiguous; its byte view needs stride 1."""
+    src = torch.arange(8.0)[3::2][:1]
+    dst = torch.zeros(16)[5::3][:1]
+    assert src.is_contiguous() and dst.is_contiguous() and src.stride() == (2,)
+    staging.copy_staged(dst, src)
+    assert dst.item() == 3.0
+    staging.release()
+
+
+# ---------------------------------------------------------------------------------- staging retried smaller
+
+
+class FailFirst:
+    """``memory.fault_hook`` failing the first ``count`` allocations named ``what``; ``seen`` counts them all."""
+
+    def __init__(self, what: str, count: int):
+        self.what, self.left, self.seen = what, count, 0
+
+    def __call__(self, what: str) -> None:
+        if what == self.what:
+            self.seen += 1
+            if self.left:
+                self.left -= 1
+                raise OutOfMemory(f"injected: {what} #{self.seen}")
+
+
+def test_staging_sizes_halve_from_the_data_down_to_one_element():
+    from ztriton.policy import staging_numels
+
+    assert staging_numels(1 << 20, 10 ** 9, 4) == [1 << 18, 1 << 17, 1 << 16] + [1 << k for k in range(15, -1, -1)]
+    assert staging_numels(1 << 20, 100, 2) == [100, 50, 25, 12, 6, 3, 1]  # never more than the data
+    assert staging_numels(1 << 20, 0, 8) == [1]
+
+
+def test_a_staging_chunk_that_does_not_fit_is_allocated_smaller(monkeypatch):
+    from ztriton import memory
+
+    monkeypatch.setattr(memory, "fault_hook", FailFirst("staging chunk", 3))
+    chunk = memory.empty_first_fitting([64, 32, 16, 8, 4], torch.float32, "cpu", "staging chunk")
+    assert chunk.numel() == 8
+    monkeypatch.setattr(memory, "fault_hook", FailFirst("staging chunk", 5))
+    with pytest.raises(torch.OutOfMemoryError, match="staging chunk #5"):
+        memory.empty_first_fitting([64, 32, 16, 8, 4], torch.float32, "cpu", "staging chunk")
+
+
+@pytest.mark.parametrize("failures", [0, 3, 12])
+def test_partition_scatter_staging_retries_smaller_down_to_one_element(monkeypatch, failures):
+    """The scatter staging's first ``failures`` allocations fail: it is retried at half the size each time, below
+    the 1 MiB a caller may ask for, where the first attempt is at most the data (here a world of one: the
+    agreement is local)."""
+    from ztriton import memory
+    from ztriton.comm import World
+    from ztriton.partitioning import _staging
+
+    hook = FailFirst("scatter staging", failures)
+    monkeypatch.setattr(memory, "fault_hook", hook)
+    buffer = torch.empty(3 << 18, dtype=torch.float32)  # 3 MiB
+    chunk, rows, recv = _staging(World(0, 1, None), 1 << 20, buffer)
+    assert chunk == max(1, (1 << 18) >> failures) and rows.shape == (1, chunk) and recv is None
+    assert hook.seen == failures + 1
+    small = torch.empty(100, dtype=torch.float32)
+    chunk, rows, _ = _staging(World(0, 1, None), 1 << 20, small)
+    assert chunk == 100 and rows.shape == (1, 100), "a chunk larger than the data it stages"
+
+
+def test_partition_scatter_staging_fails_every_rank_only_below_one_element(monkeypatch):
+    from ztriton import memory
+    from ztriton.comm import World
+    from ztriton.partitioning import _staging
+
+    monkeypatch.setattr(memory, "fault_hook", FailFirst("scatter staging", 10 ** 6))
+    with pytest.raises(RuntimeError, match="cannot allocate even one element of staging.*no parameter was changed"):
+        _staging(World(0, 1, None), 1 << 20, torch.empty(1000, dtype=torch.bfloat16))
+
+
+def test_flatten_evict_tier_retries_its_staging_chunk_smaller(monkeypatch):
+    """A strided param goes to host memory through a staging chunk (the kernels' copy): the chunk's first
+    allocations failing make it smaller, not the tier fall through to the next one."""
+    import ztriton
+    from ztriton import memory
+    from ztriton.memory import MemoryInfo
+
+    values = torch.randint(-2**31, 2**31 - 1, (6, 5), dtype=torch.int32).view(torch.float32)
+    params = [torch.nn.Parameter(values.clone().t()), torch.nn.Parameter(torch.ones(3))]
+    hook = FailFirst("staging chunk", 2)
+    monkeypatch.setattr(memory, "fault_hook", hook)
+    monkeypatch.setattr(memory, "probe_memory", lambda d: MemoryInfo(str(d), 0, 0, 1 << 40, "test"))
+    (fg,) = ztriton.flatten_groups([params], tier="evict", headroom_bytes=0)
+    assert fg.tier.value == "evict" and hook.seen == 3
+    assert torch.equal(fg.flat[:30].view(torch.int32), values.t().reshape(-1).view(torch.int32))
+    staging.release()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["Agreed", "World", "agree", "all_gather_bytes", "all_ranks", "min_over_ranks", "same_on_all_ranks",
+__all__ = ["Agreed", "World", "agree", "agreed", "all_gather_bytes", "all_ranks", "min_over_ranks", "same_on_all_ranks",
            "world_of"]
 
 # Fault injection for the tests (``tests/test_faults.py``): when set, called with the collective's name
@@ -137,6 +137,20 @@ def agree(world: World, step: Callable[[], Any]) -> Agreed:
     except Exception as exc:  # noqa: BLE001 -- a broken collective: nothing else can be agreed
         return Agreed(False, None, error or exc)
     return Agreed(ok, value if ok else None, error)
+
+
+def agreed(world: World, step: Callable[[], Any], what: str, state: str = "nothing was changed") -> Any:
+    """``step()``'s value once every rank's ``step`` succeeded; otherwise every rank raises, a failing rank its
+    own exception and the others a RuntimeError saying that ``what`` failed on another rank and ``state`` (what
+    the failure left as it was). Steps whose failure may differ between ranks (checks, allocations) run through
+    this before the next collective."""
+    outcome = agree(world, step)
+    if outcome.error is not None:
+        raise outcome.error
+    if not outcome.ok:
+        raise RuntimeError(f"{what} failed on another rank (its error says why); {state}: fix the cause there and "
+                           "call again on every rank")
+    return outcome.value
 
 
 def all_gather_bytes(out: torch.Tensor, part: torch.Tensor, world: World) -> None:

@@ -107,38 +107,20 @@ def is_packed(tensors: Sequence[torch.Tensor]) -> bool:
 
 def _check(tensors: object) -> list[torch.Tensor]:
     """Every check of the inputs, before anything moves; returns them as a list."""
-    if isinstance(tensors, torch.Tensor) or not hasattr(tensors, "__iter__") or isinstance(tensors, (str, bytes, dict)):
+    if isinstance(tensors, (torch.Tensor, str, bytes, dict, set, frozenset)) or not hasattr(tensors, "__iter__"):
         raise TypeError(f"tensors must be a list of 1-D tensors (the ZeRO-3 partitions), got {type(tensors).__name__}; "
                         "for one tensor pass [tensor]")
     tensors = list(tensors)
-    # One pass per attribute over hundreds of partitions in the common case; the loop below names a culprit.
-    if not (all(isinstance(t, torch.Tensor) for t in tensors) and {t.layout for t in tensors} <= {torch.strided}
-            and {t.dim() for t in tensors} <= {1}):
-        _name_bad_tensor(tensors)
-    devices = {t.device for t in tensors}
-    if any(d.type == "meta" for d in devices):
-        _name_bad_tensor(tensors)
-    if len({t.dtype for t in tensors}) > 1 or len(devices) > 1:
-        kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
-        raise ValueError(f"defragment needs one dtype and one device, got {kinds}; build one buffer per dtype/device")
+    policy.check_tensors(tensors, lambda i: f"tensors[{i}]")
     for i, t in enumerate(tensors):
-        if not t.is_contiguous():  # dense partitions are copied as bytes: nothing to refuse
-            memory.check_kernels_take(t, f"tensors[{i}]")
-    return tensors
-
-
-def _name_bad_tensor(tensors: list) -> None:
-    """Raise for the first entry that is not a dense 1-D tensor holding values."""
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
-        if t.layout != torch.strided:
-            raise TypeError(f"tensors[{i}] has layout {t.layout}; defragment takes dense tensors")
         if t.dim() != 1:
             raise ValueError(f"tensors[{i}] is {t.dim()}-D (shape {tuple(t.shape)}); defragment takes 1-D tensors "
                              "(the ZeRO-3 partitions), as DeepSpeed's defragment does: pass t.view(-1)")
-        if t.device.type == "meta":
-            raise ValueError(f"tensors[{i}] is on the meta device and holds no values")
+    if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
+        kinds = sorted({f"{t.dtype} on {t.device}" for t in tensors})
+        raise ValueError(f"tensors: defragment needs one dtype and one device, got {kinds}; build one buffer per "
+                         "dtype/device")
+    return tensors
 
 
 def _storages(tensors: list[torch.Tensor]) -> list[tuple[int, list[int]]]:
@@ -177,8 +159,8 @@ def _repoint(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Place
     storage = flat.untyped_storage()
     with torch.no_grad():
         for i, (t, offset, numel) in enumerate(zip(tensors, places.offsets, places.numels)):
-            if not away or i not in away:
-                t.set_(storage, offset, (numel,))
+            if not away or i not in away:  # stride given: set_ without one keeps a strided tensor's strides
+                t.set_(storage, offset, (numel,), (1,))
         for i in away:
             tensors[i].data = alias(storage, places.offsets[i], places.numels[i], flat.dtype, flat.device)
 
@@ -195,9 +177,9 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Pla
     if local and kernels_run_on(flat.device):
         # A pack: every partition whole at its offset, and zeros where none is (the evicted ones' places, written
         # below). Cheaper to plan than the same copy as slices: one int column, not a tuple per partition.
-        pack(flat, local, at, fresh=True)
+        pack(flat, [memory.unit_strided(t) for t in local], at, fresh=True)
     else:
-        torch_run(flat, [Piece(t, 0, n, o) for t, n, o in zip(local, sizes, at) if n])
+        torch_run(flat, [Piece(memory.unit_strided(t), 0, n, o) for t, n, o in zip(local, sizes, at) if n])
     if away:
         with staging.synchronized(flat.device):
             for i in sorted(away):  # contiguous views of the spill

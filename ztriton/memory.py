@@ -18,9 +18,9 @@ logger = logging.getLogger("ztriton")
 MiB = 1 << 20
 GiB = 1 << 30
 
-__all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "check_kernels_take", "empty", "format_bytes",
-           "host_available_bytes", "host_empty", "kernels_run_on", "measure_peak", "probe_memory", "synchronize",
-           "try_empty", "try_host_empty"]
+__all__ = ["GiB", "MiB", "MemoryInfo", "OutOfMemory", "alias", "check_kernels_take", "contiguous_strides", "empty",
+           "empty_first_fitting", "flat_bytes", "format_bytes", "host_available_bytes", "host_empty", "kernels_run_on",
+           "measure_peak", "probe_memory", "synchronize", "try_empty", "try_host_empty", "unit_strided"]
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -53,7 +53,38 @@ def alias(storage: torch.UntypedStorage, offset: int, numel: int, dtype: torch.d
     DeepSpeed re-points partitions (``ds_tensor.data = ...``); a view would keep its base, and so the
     whole old buffer, alive through ``_base`` after every partition had moved.
     """
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,))
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,), (1,))
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a new contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def unit_strided(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or where torch calls it contiguous while its strides are not a new tensor's, the same
+    elements of the same memory with a new tensor's strides.
+
+    torch ignores the strides of size-1 dims (and every stride of a tensor of at most one element) when it
+    decides contiguity, so a slice ``x[3::2][:1]`` is contiguous with stride 2; viewing it as 1-D or as
+    bytes needs the strides a new tensor has. Every contiguous source handed to a copy goes through this."""
+    shape = tensor.shape
+    if (1 not in shape and 0 not in shape) or not tensor.is_contiguous():
+        return tensor
+    strides = contiguous_strides(shape)
+    if tensor.stride() == strides:
+        return tensor
+    return tensor.detach().as_strided(shape, strides, tensor.storage_offset())
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D ``uint8`` view (any strides on its size-1 dims, see
+    :func:`unit_strided`)."""
+    return unit_strided(tensor).reshape(-1).view(torch.uint8)
 
 
 def format_bytes(nbytes: int) -> str:
@@ -222,6 +253,20 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: str)
         raise
 
 
+def empty_first_fitting(numels, dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor:
+    """A staging chunk: the first of ``numels`` (largest first) elements that can be allocated. A smaller chunk
+    only costs more copies, so running out of memory at one size tries the next; the last failure is raised."""
+    for k, numel in enumerate(numels):
+        try:
+            return empty(numel, dtype, device, what)
+        except torch.OutOfMemoryError:
+            if k == len(numels) - 1:
+                raise
+            logger.warning("ztriton: the %s of %s did not fit on %s; trying %s", what,
+                           format_bytes(numel * dtype.itemsize), device, format_bytes(numels[k + 1] * dtype.itemsize))
+    raise ValueError(f"no size to try for the {what}")
+
+
 def try_empty(numel: int, dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor | None:
     """:func:`empty`, or None where it runs out of memory."""
     try:
@@ -272,7 +317,8 @@ def check_kernels_take(tensor: torch.Tensor, name: str) -> None:
     try:
         make_plan(scratch, [Piece(tensor, 0, 1, 0)])
     except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name} cannot be copied by the kernels: {exc}") from None
+        raise type(exc)(f"{name} cannot be copied by the kernels: {exc}; make it contiguous first "
+                        "(p.data = p.data.contiguous())") from None
     except Exception as exc:  # noqa: BLE001 -- any refusal of the planner, named, before anything moves
         raise TypeError(f"{name} (dtype {tensor.dtype}, shape {tuple(tensor.shape)}, strides {tensor.stride()}) "
                         f"cannot be copied by the kernels ({type(exc).__name__}: {exc}); make it contiguous "

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ztriton import memory, policy
-from ztriton.comm import World, agree, min_over_ranks
+from ztriton.comm import World, agreed, min_over_ranks
 from ztriton.kernels import Piece, copy_chunk, pack_slices, torch_pack_slices
 from ztriton.kernels.plan import runs_on
 from ztriton.layout import Zero3Slice, zero3_slice
@@ -84,6 +84,7 @@ class _Entry:
     param: torch.nn.Parameter
     slice: Zero3Slice
     offset: int
+    source: torch.Tensor  # the param's values, with a new tensor's strides where it is contiguous
 
 
 def partition_params(named: list[tuple[str, torch.nn.Parameter]], world: World, *, home: torch.device,
@@ -128,17 +129,10 @@ def partition_params(named: list[tuple[str, torch.nn.Parameter]], world: World, 
 
 
 def _agreed(world: World, path: Transfer, step, what: str):
-    """``step()``, agreed by every rank when the ranks exchange data: if it raised on any rank, every
-    rank raises (its own exception where it failed, else a RuntimeError saying another rank did)."""
+    """``step()``, agreed by every rank when the ranks exchange data (:func:`ztriton.comm.agreed`)."""
     if path is Transfer.LOCAL:
         return step()
-    outcome = agree(world, step)
-    if outcome.error is not None:
-        raise outcome.error
-    if not outcome.ok:
-        raise RuntimeError(f"ztriton partition: {what} failed on another rank (its error says why); no "
-                           "parameter was changed")
-    return outcome.value
+    return agreed(world, step, f"ztriton partition: {what}", "no parameter was changed")
 
 
 def _alias(buffer: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
@@ -161,16 +155,10 @@ def staging_chunk_bytes(device: torch.device, world_size: int, options: policy.O
 
 
 def _check_params(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Every parameter is one whose values can be copied (``policy.check_tensors``) and that ZeRO-3 can hold."""
+    policy.check_tensors([p for _, p in named], lambda i: f"parameter {named[i][0]!r}",
+                         hint=" or keep it out of the partitioned module")
     for name, p in named:
-        if p.layout != torch.strided:
-            raise TypeError(f"parameter {name!r} is a {p.layout} tensor; ZeRO-3 partitions dense parameters: make it "
-                            "dense (param.data = param.data.to_dense()) or keep it out of the partitioned module")
-        if p.device.type == "meta":
-            raise ValueError(f"parameter {name!r} is on the meta device and holds no values: materialise the module "
-                             "first (e.g. module.to_empty(device='cpu') and load its weights)")
-        if p.is_conj() or p.is_neg():
-            raise ValueError(f"parameter {name!r} is a lazy conjugate or negated view whose memory holds other values "
-                             "than it reads as; resolve it first (param.data = param.data.resolve_conj().resolve_neg())")
         if p.dim() == 0:
             raise ValueError(f"parameter {name!r} is 0-dimensional; DeepSpeed ZeRO-3 cannot hold scalars "
                              "(its broadcast views parameters as bytes): make it shape [1]")
@@ -183,7 +171,7 @@ def _entries_by_dtype(named, world: int) -> dict[torch.dtype, list[_Entry]]:
     for name, p in named:
         sl = zero3_slice(p.numel(), world)
         offset = offsets.get(p.dtype, 0)
-        groups.setdefault(p.dtype, []).append(_Entry(name, p, sl, offset))
+        groups.setdefault(p.dtype, []).append(_Entry(name, p, sl, offset, memory.unit_strided(p.data)))
         offsets[p.dtype] = offset + sl.partition_numel
     return groups
 
@@ -206,7 +194,7 @@ def _chunk_pieces(entries: list[_Entry], rank: int, begin: int, end: int) -> lis
     for e in entries:
         lo, hi = max(begin, e.offset), min(end, e.offset + e.slice.valid_numel(rank))
         if lo < hi:
-            pieces.append(Piece(e.param.data, e.slice.rank_start(rank) + lo - e.offset, hi - lo, lo - begin))
+            pieces.append(Piece(e.source, e.slice.rank_start(rank) + lo - e.offset, hi - lo, lo - begin))
     return pieces
 
 
@@ -241,7 +229,9 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], chunk_elems: int) -> None:
 def _copy_strided(src: torch.Tensor, start: int, count: int, out: torch.Tensor, chunk_elems: int) -> None:
     """``out[:] = src.flatten()[start:start + count]`` for a strided source on another device than
     ``out``, through staging chunks next to ``src``: never a full-size copy on its device."""
-    stage = memory.empty(min(count, chunk_elems), src.dtype, src.device, "strided-source staging")
+    sizes = policy.staging_numels(chunk_elems * src.element_size(), count, src.element_size())
+    stage = memory.empty_first_fitting(sizes, src.dtype, src.device, "strided-source staging")
+    chunk_elems = stage.numel()
     for begin, end in _chunks(count, chunk_elems):
         copy_chunk(src, stage[:end - begin], start + begin, end - begin)
         out[begin:end].copy_(stage[:end - begin])
@@ -250,7 +240,7 @@ def _copy_strided(src: torch.Tensor, start: int, count: int, out: torch.Tensor, 
 def _fill_local(buffer: torch.Tensor, entries: list[_Entry], rank: int, chunk_bytes: int) -> None:
     """This rank's slices of its own tensors, straight into its buffer."""
     if len(entries) <= policy.PER_PARAM_COPIES and all(
-            e.param.device == buffer.device and e.param.is_contiguous() for e in entries):
+            e.source.device == buffer.device and e.source.is_contiguous() for e in entries):
         _copy_per_param(buffer, entries, rank)
         return
     chunk_elems = max(1, chunk_bytes // buffer.element_size())
@@ -269,7 +259,7 @@ def _copy_per_param(buffer: torch.Tensor, entries: list[_Entry], rank: int) -> N
     for e in entries:
         valid, size = e.slice.valid_numel(rank), e.slice.partition_numel
         if valid:
-            src = e.param.data.view(-1).view(torch.uint8)
+            src = memory.flat_bytes(e.source)
             out.narrow(0, e.offset * width, valid * width).copy_(src.narrow(0, e.slice.rank_start(rank) * width,
                                                                              valid * width))
         if valid < size:
@@ -280,11 +270,13 @@ def _staging(world: World, chunk_bytes: int, buffer: torch.Tensor):
     """Rank 0's [W, chunk] scatter staging and, where the buffer is not on the comm device, a receive
     chunk. Every rank must use the same chunk, yet each may have picked its own size (from its own
     free memory): one all-reduce agrees on the smallest, or, if any rank's allocation failed (with any
-    exception: the CPU allocator raises a plain RuntimeError), on half the smallest, and every rank
-    takes the same branch. Down to policy.MIN_CHUNK_BYTES, then every rank fails."""
+    exception: the CPU allocator raises a plain RuntimeError), on the next smaller size
+    (``policy.staging_numels``: halves, down to one element), and every rank takes the same branch. Only
+    when one element does not fit does every rank fail."""
     comm = world.comm_device
+    itemsize = buffer.element_size()
+    chunk_elems = policy.staging_numels(chunk_bytes, buffer.numel(), itemsize)[0]
     while True:
-        chunk_elems = max(1, chunk_bytes // buffer.element_size())
         failure = None
         try:
             recv = None if buffer.device == comm else memory.empty(chunk_elems, buffer.dtype, comm, "receive chunk")
@@ -294,24 +286,26 @@ def _staging(world: World, chunk_bytes: int, buffer: torch.Tensor):
             recv = rows = None
             failure = exc
         # [smallest size among ranks whose allocation worked (0 if any failed), smallest size asked]
-        fitted, smallest = min_over_ranks([chunk_bytes if failure is None else 0, chunk_bytes], world)
+        fitted, smallest = min_over_ranks([chunk_elems if failure is None else 0, chunk_elems], world)
         if fitted > 0:  # every rank allocated at least `smallest`: use that much of what it holds
-            return max(1, smallest // buffer.element_size()), rows, recv
-        if smallest <= policy.MIN_CHUNK_BYTES:
+            return smallest, rows, recv
+        if smallest <= 1:
             here = f" (here: {type(failure).__name__}: {failure})" if failure is not None else " (on another rank)"
-            raise RuntimeError(f"ztriton partition: cannot allocate even {format_bytes(smallest)} of staging on "
-                               f"{comm} on every rank{here}; free memory and retry; no parameter was changed")
-        logger.warning("ztriton partition: staging of %s did not fit on every rank%s; halving", format_bytes(smallest),
-                       f" ({type(failure).__name__}: {failure})" if failure is not None else "")
+            raise RuntimeError(f"ztriton partition: cannot allocate even one element of staging on {comm} on every "
+                               f"rank{here}; free memory and retry; no parameter was changed")
+        smaller = policy.staging_numels(smallest * itemsize, smallest, itemsize)[1]
+        logger.warning("ztriton partition: staging of %s did not fit on every rank%s; trying %s",
+                       format_bytes(smallest * itemsize),
+                       f" ({type(failure).__name__}: {failure})" if failure is not None else "",
+                       format_bytes(smaller * itemsize))
         recv = rows = None
-        chunk_bytes = smallest // 2
+        chunk_elems = smaller
 
 
 def _fill_scattered(buffer: torch.Tensor, entries: list[_Entry], world: World, chunk_bytes: int) -> None:
     """Rank 0 scatters every rank's slices, one staging chunk of the per-rank buffer at a time; each
     chunk's filling is agreed before its scatter, so a failure on rank 0 stops every rank."""
     itemsize = buffer.element_size()
-    chunk_bytes = policy.clamp_chunk_bytes(chunk_bytes, buffer.numel() * itemsize)
     chunk_elems, staging, recv_stage = _staging(world, chunk_bytes, buffer)
     for done, (begin, end) in enumerate(_chunks(buffer.numel(), chunk_elems)):
         n = end - begin

@@ -12,8 +12,11 @@ import enum
 import operator
 import logging
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
+import torch
+
+from ztriton import memory
 from ztriton.memory import GiB, MemoryInfo, MiB, format_bytes
 
 logger = logging.getLogger("ztriton")
@@ -57,11 +60,55 @@ def check_chunk_bytes(value: object) -> int:
     return value
 
 
+def staging_numels(chunk_bytes: int, data_numel: int, itemsize: int) -> list[int]:
+    """Element counts of a staging chunk to try, largest first: ``chunk_bytes`` worth, never more than the
+    ``data_numel`` elements it stages, then halves of it down to one element. A smaller chunk only costs more
+    copies, so an allocation that fails at one size is tried at the next before anything fails."""
+    numel = max(1, min(chunk_bytes // itemsize, data_numel))
+    sizes = [numel]
+    while sizes[-1] > 1:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
 def clamp_chunk_bytes(chunk_bytes: int, data_bytes: int) -> int:
     """A staging chunk never larger than the data it stages (nor below MIN_CHUNK_BYTES): a chunk
     size asked for as "as large as it gets" (``chunk_bytes=2**40``) must not become an allocation of
     that size, once per rank, on the rank that stages."""
     return max(MIN_CHUNK_BYTES, min(chunk_bytes, data_bytes))
+
+
+# --------------------------------------------------------------------------------------------
+# The checks of the tensors an entry point copies: every entry point asks these, before anything moves.
+
+
+def check_tensor(tensor: object, name: str, hint: str = "") -> None:
+    """Raise a TypeError or ValueError naming ``name`` unless ``tensor`` is one whose values an entry point can
+    copy: a dense tensor holding values (not on the meta device), read as its memory holds them (no lazy
+    conjugate or negation), with strides the copy kernels take. ``hint`` ends a refusal with what the caller
+    can do instead (e.g. freeze the param)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} is a {type(tensor).__name__}, not a tensor")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} has layout {tensor.layout}; only dense (strided) tensors can be copied: make it "
+                        f"dense (p.data = p.data.to_dense()){hint}")
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and holds no values; materialise it first (e.g. "
+                         f"module.to_empty(device=...), then initialise or load its values){hint}")
+    if tensor.is_conj() or tensor.is_neg():
+        raise ValueError(f"{name} is a lazy conjugate or negated view whose memory holds other values than it reads "
+                         "as; resolve it first (p.data = p.data.resolve_conj().resolve_neg())")
+    memory.check_kernels_take(tensor, name)
+
+
+def check_tensors(tensors: Sequence[object], name_of: Callable[[int], str], hint: str = "") -> None:
+    """:func:`check_tensor` for each of ``tensors`` (``name_of(i)`` names the i-th): one pass over thousands
+    of plain contiguous tensors in the common case, the full check only for the others."""
+    plain, tensor = torch.strided, torch.Tensor
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, tensor) and t.layout is plain and not t.is_meta and t.is_contiguous() and not t.is_conj()
+                and not t.is_neg()):
+            check_tensor(t, name_of(i), hint)
 
 
 @dataclass(frozen=True)

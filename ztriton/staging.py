@@ -250,7 +250,7 @@ def copy_staged(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int | None = 
     total = src.numel() * src.element_size()
     if total == 0:
         return
-    out, inp = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+    out, inp = memory.flat_bytes(dst), memory.flat_bytes(src)
     size = min(chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
     shared = ring(min(size, max(1 << 20, 1 << (total - 1).bit_length())), count=2)
     cuda = next((t.device for t in (dst, src) if t.device.type == "cuda"), None)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ztriton import memory, policy, staging
-from ztriton.comm import World, agree, min_over_ranks, world_of
+from ztriton.comm import World, agree, agreed, min_over_ranks, world_of
 from ztriton.flatten.tiers import TIERS, Group, Run
 from ztriton.kernels import byte_extents
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
@@ -122,16 +122,21 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
     memory; the params then still hold their values (moved back to their device where memory allows,
     else left in host memory, as the message says).
     """
-    forced = policy.parse_tier(tier)
     world = world_of(group)
-    policy.check_tier_fits_world(forced, world.size)
-    options = Options.of(headroom_bytes=headroom_bytes, chunk_bytes=chunk_bytes)
 
-    lists = _param_lists(param_groups)
-    groups = [_prepare(i, params, world.size, round_robin, parameter_alignment) for i, params in enumerate(lists)]
-    _check_kernels_take(groups, lists)
-    # Checked before the first param moves, not before the first pack: the device tier's pack only reads
-    # the params into a new buffer, and the check (a walk over every param) then runs while it copies.
+    def checks():
+        forced = policy.parse_tier(tier)
+        policy.check_tier_fits_world(forced, world.size)
+        options = Options.of(headroom_bytes=headroom_bytes, chunk_bytes=chunk_bytes)
+        lists = _param_lists(param_groups)
+        groups = [_prepare(i, params, world.size, round_robin, parameter_alignment) for i, params in enumerate(lists)]
+        _check_kernels_take(groups, lists)
+        return forced, options, lists, groups
+
+    # A check may fail on one rank only (the kernels' check allocates): every rank raises here, or none does.
+    forced, options, lists, groups = agreed(world, checks, "flatten_groups: checking the param groups")
+    # Checked before the first param moves, not before the first pack: the device tier's pack only reads the
+    # params into a new buffer, and the check (a walk over every param) then runs while it copies.
     no_shared_memory = _Once(lambda: _check_no_shared_memory(groups, lists))
     return [_flatten_group(g, world, forced, options, no_shared_memory, repoint) for g in groups]
 
@@ -159,7 +164,7 @@ class _Once:
 
 def _param_lists(param_groups: Sequence[Any]) -> list[list[torch.Tensor]]:
     """The params of each group as lists, from dicts with "params" or from lists of tensors."""
-    if isinstance(param_groups, (torch.Tensor, dict)) or not hasattr(param_groups, "__iter__"):
+    if isinstance(param_groups, (torch.Tensor, dict, str, bytes, set, frozenset)) or not hasattr(param_groups, "__iter__"):
         raise TypeError("param_groups must be a list of groups (dicts with 'params', or lists of tensors), got "
                         f"{type(param_groups).__name__}; for one group of params pass [list(params)]")
     lists = []
@@ -167,11 +172,12 @@ def _param_lists(param_groups: Sequence[Any]) -> list[list[torch.Tensor]]:
         if isinstance(entry, torch.Tensor):
             raise TypeError(f"param_groups[{i}] is a tensor, not a group; for one group of params pass "
                             "[list(params)] (or optimizer.param_groups)")
+        where = f"param_groups[{i}]"
         if isinstance(entry, dict):
             if "params" not in entry:
-                raise TypeError(f"param_groups[{i}] is a dict without 'params'")
-            entry = entry["params"]
-        params = [entry] if isinstance(entry, torch.Tensor) else list(entry)
+                raise TypeError(f"{where} is a dict without 'params'")
+            entry, where = entry["params"], f"{where}['params']"
+        params = [entry] if isinstance(entry, torch.Tensor) else _listed(entry, where)
         for j, param in enumerate(params):
             if not isinstance(param, torch.Tensor):
                 raise TypeError(f"param_groups[{i}] params[{j}] is a {type(param).__name__}, not a tensor")
@@ -179,9 +185,18 @@ def _param_lists(param_groups: Sequence[Any]) -> list[list[torch.Tensor]]:
     return lists
 
 
+def _listed(params: Any, where: str) -> list:
+    """A group's params as a list. Only an ordered collection will do: every rank must put the params of a
+    group in one order, which a set or a mapping does not promise."""
+    if isinstance(params, (str, bytes, dict, set, frozenset)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{where} must be a list of tensors (or one tensor), got {type(params).__name__}; "
+                        "pass the group's params as a list, e.g. {'params': list(model.parameters())}")
+    return list(params)
+
+
 def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robin: bool,
              parameter_alignment: bool) -> Group:
-    """Check one group's participating params and compute its layout.
+    """Check that one group's participating params can share a flat buffer and compute its layout.
 
     A param takes part if it requires grad and has elements (DeepSpeed's ``is_optimized_parameter``).
     """
@@ -189,10 +204,8 @@ def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robi
     trainable = [p.requires_grad for p in params]
     members = [params[j] for j in range(len(params)) if trainable[j] and numels[j] > 0]
     # One pass over thousands of params in the common case; the loop below only names the culprit.
-    if members and ({(p.dtype, p.device, p.layout) for p in members} != {(members[0].dtype, members[0].device,
-                                                                          torch.strided)}
-                    or members[0].device.type == "meta"):
-        _name_bad_param(index, params, [j for j in range(len(params)) if trainable[j] and numels[j] > 0])
+    if members and {(p.dtype, p.device) for p in members} != {(members[0].dtype, members[0].device)}:
+        _name_mixed(index, params, [j for j in range(len(params)) if trainable[j] and numels[j] > 0])
     first = members[0] if members else (params[0] if params else None)
     dtype = first.dtype if first is not None else torch.get_default_dtype()
     device = first.device if first is not None else torch.device("cpu")
@@ -202,15 +215,12 @@ def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robi
     return Group(index, ordered, [p.shape for p in ordered], layout, dtype, device)
 
 
-def _name_bad_param(index: int, params: list[torch.Tensor], members: list[int]) -> None:
-    """Raise for the first participating param that cannot share a flat buffer with the first one."""
+def _name_mixed(index: int, params: list[torch.Tensor], members: list[int]) -> None:
+    """Raise for the first participating param whose dtype or device differs from the first one's."""
     where = f"param_groups[{index}]"
     first = members[0]
     for j in members:
         p = params[j]
-        if p.layout != torch.strided:
-            raise TypeError(f"{where} params[{j}] has layout {p.layout}; only dense (strided) params can be "
-                            "flattened: make it dense (.to_dense()) or freeze it (requires_grad=False)")
         if p.dtype != params[first].dtype:
             raise TypeError(f"{where} mixes dtypes: params[{first}] is {params[first].dtype}, params[{j}] is "
                             f"{p.dtype}; a flat buffer holds one dtype: cast the model to one dtype "
@@ -218,17 +228,15 @@ def _name_bad_param(index: int, params: list[torch.Tensor], members: list[int]) 
         if p.device != params[first].device:
             raise ValueError(f"{where} mixes devices: params[{first}] is on {params[first].device}, params[{j}] "
                              f"on {p.device}; move the model to one device first (model.to(device))")
-        if p.device.type == "meta":
-            raise ValueError(f"{where} params[{j}] is on the meta device and holds no values; materialise the "
-                             "model (e.g. model.to_empty(device=...) and initialise it) before flattening")
 
 
 def _check_kernels_take(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
-    """Every participating param of every group is one the kernels copy (checked before any group moves)."""
+    """Every participating param of every group is one whose values can be copied (``policy.check_tensors``),
+    checked before any group moves."""
     for g, params in zip(groups, lists):
-        for j in g.layout.order:
-            if not params[j].is_contiguous():  # dense params are copied as bytes: nothing to refuse
-                memory.check_kernels_take(params[j], f"param_groups[{g.index}] params[{j}]")
+        order = g.layout.order
+        policy.check_tensors(g.params, lambda k, g=g, order=order: f"param_groups[{g.index}] params[{order[k]}]",
+                             hint=" or freeze it (requires_grad=False)")
 
 
 def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
@@ -349,7 +357,10 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
 
     failures = []
     for tier in policy.flatten_fallbacks(decision.tier):
-        if tier is not Tier.DEVICE:
+        if tier is Tier.DISTRIBUTED:  # a collective tier: every rank enters it, or none does
+            agreed(world, before_moving, f"flatten group {g.index}: checking the params",
+                   f"group {g.index}'s params were not moved")
+        elif tier is not Tier.DEVICE:
             before_moving()
         try:
             flat = TIERS[tier](g, run)
@@ -388,20 +399,12 @@ def _alias(g: Group, flat: torch.Tensor) -> None:
     for p, shape, offset in zip(g.params, g.shapes, g.offsets):
         stride = strides.get(shape)
         if stride is None:
-            stride = strides[shape] = _contiguous_strides(shape)
+            stride = strides[shape] = memory.contiguous_strides(shape)
         # as_strided: one call per param instead of narrow + view (3x faster, for thousands of params).
         # `.data =`, as DeepSpeed does: unlike set_ it leaves the version counter alone, so a graph built
         # before the flatten still backpropagates. It runs while the pack's kernels copy.
         p.data = flat.as_strided(shape, stride, base + offset)
     g.evicted.clear()
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _restore(g: Group) -> str:

@@ -300,8 +300,8 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool =
     if not kernels_run_on(src.device):
         dst.view(src.shape).copy_(src)
         return
-    chunk = _chunk_bytes(run)
-    stage = empty(min(max(1, chunk // src.element_size()), src.numel()), src.dtype, src.device, "staging chunk")
+    sizes = policy.staging_numels(_chunk_bytes(run), src.numel(), src.element_size())
+    stage = memory.empty_first_fitting(sizes, src.dtype, src.device, "staging chunk")
     for start in range(0, src.numel(), stage.numel()):
         n = min(stage.numel(), src.numel() - start)
         copy_chunk(src, stage[:n], start, n)
@@ -313,6 +313,7 @@ def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[
     """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device. The
     sources are read in place (params as they are: neither path records autograd). ``dst`` is always a buffer
     just allocated for the result, dropped on an error: the pack checks and copies the params in turns."""
+    sources = [memory.unit_strided(src) for src in sources]
     if kernels_run_on(dst.device):
         pack(dst, sources, offsets, window, fresh=True)
         return
