@@ -136,7 +136,8 @@ def _gloo_partition_and_update(rank, world_size, shapes, dtype, strided):
     reference = zero3_reference(lambda: BitsModule(shapes, 5, dtype, rank_salt=True), world_size, rank, dtype,
                                 wrap_existing=True)
     module = cls(shapes, 5, dtype, rank_salt=True)
-    ztriton.partition(module)
+    ztriton.partition(module, config={"train_micro_batch_size_per_gpu": 1,
+                                      "zero_optimization": {"stage": 3, **gloo_safe_gathers()}})
     assert_matches_reference(module, reference, world_size, rank)
     params = list(module.parameters())
     with deepspeed.zero.GatheredParameters(params):

@@ -357,12 +357,16 @@ def test_parse_tier():
 
 def test_staging_chunk_clamped_to_the_data():
     """A requested chunk never exceeds the data it stages: chunk_bytes=2**40 on a small model is
-    not a 2**40-byte allocation per rank on the staging rank."""
-    from ztriton.policy import clamp_chunk_bytes
+    not a 2**40-byte allocation per rank on the staging rank; a failed size is retried at its halves."""
+    from ztriton.policy import staging_numels
 
-    assert clamp_chunk_bytes(2**40, 10 * MiB) == 10 * MiB
-    assert clamp_chunk_bytes(4 * MiB, 10 * MiB) == 4 * MiB
-    assert clamp_chunk_bytes(2**40, 100) == MIN_CHUNK_BYTES  # never below the minimum the halving stops at
+    assert staging_numels(2**40, 5 * MiB, 2)[0] == 5 * MiB
+    assert staging_numels(4 * MiB, 5 * MiB, 2)[0] == 2 * MiB
+    assert staging_numels(2**40, 3, 4) == [3, 1]
+    assert staging_numels(MIN_CHUNK_BYTES, 1, 2) == [1]
+    sizes = staging_numels(MIN_CHUNK_BYTES, 10 * MiB, 4)
+    assert sizes[0] == MIN_CHUNK_BYTES // 4 and sizes[-1] == 1
+    assert all(a == 2 * b or a == 2 * b + 1 for a, b in zip(sizes, sizes[1:]))
 
 
 def test_options_take_integer_likes_as_ints():

@@ -53,7 +53,7 @@ def check_bytes(name: str, value: object) -> int:
 
 def check_chunk_bytes(value: object) -> int:
     """A staging chunk size the caller asked for: an int of at least 1 MiB. (A huge one is fine here:
-    :func:`clamp_chunk_bytes` caps it at the data it stages.)"""
+    :func:`staging_numels` caps it at the data it stages.)"""
     value = check_bytes("chunk_bytes", value)
     if value < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes={value} is below the minimum of {MIN_CHUNK_BYTES} (1 MiB)")
@@ -69,13 +69,6 @@ def staging_numels(chunk_bytes: int, data_numel: int, itemsize: int) -> list[int
     while sizes[-1] > 1:
         sizes.append(sizes[-1] // 2)
     return sizes
-
-
-def clamp_chunk_bytes(chunk_bytes: int, data_bytes: int) -> int:
-    """A staging chunk never larger than the data it stages (nor below MIN_CHUNK_BYTES): a chunk
-    size asked for as "as large as it gets" (``chunk_bytes=2**40``) must not become an allocation of
-    that size, once per rank, on the rank that stages."""
-    return max(MIN_CHUNK_BYTES, min(chunk_bytes, data_bytes))
 
 
 # --------------------------------------------------------------------------------------------

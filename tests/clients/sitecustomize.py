@@ -9,6 +9,11 @@ Two things differ on a CPU machine from the GPU machines the recipes are for, an
   on GPUs: gloo, one process per rank (DeepSpeed's CPU accelerator's backend).
 * DeepSpeed JIT-builds its CPU shared-memory comm op in ``init_distributed`` (serves only inference all-reduce;
   about a minute the first time): it is skipped, as ztriton's test worlds skip it.
+* Two flaws of older DeepSpeed releases (0.18) that only gloo's asynchronous collectives expose, fixed as later
+  releases fix them, for key on and key off alike: ``Init._allgather_params_coalesced`` waits for its last
+  handle only (gloo's other gathers may still be writing: params are gathered one by one instead, as the config's
+  ``allgather_sequential`` does), and the ZeRO-1/2 init-time flat buffer keeps the params' autograd history
+  (gloo's all-gather into its views then refuses the first step: it is detached, as 0.19 detaches it).
 
 Each module is patched when it finishes loading, so this imports nothing itself. One thing is added for the
 test to read: with ``ZTRITON_TEST_RANK_OUTPUT`` set, each rank's stdout and stderr go to ``rank<RANK>.out`` and
@@ -38,7 +43,38 @@ def _patch_deepspeed_comm(module) -> None:
     module.build_shm_op = lambda: None
 
 
-_PATCHES = {"accelerate.state": _patch_accelerate_state, "deepspeed.comm.torch": _patch_deepspeed_comm}
+def _patch_deepspeed_gathers(module) -> None:
+    import functools
+    import inspect
+
+    init = module.Init
+    if "launch_handles[-1].wait()" not in inspect.getsource(init._allgather_params_coalesced):
+        return
+
+    @functools.wraps(init._allgather_params_coalesced)
+    def _allgather_params_coalesced(self, param_list, hierarchy=0, quantize=False):
+        return self._allgather_params_sequential(param_list, hierarchy=hierarchy)
+
+    init._allgather_params_coalesced = _allgather_params_coalesced
+
+
+def _patch_deepspeed_zero12(module) -> None:
+    import functools
+
+    optimizer = module.DeepSpeedZeroOptimizer
+    flatten = optimizer.flatten_dense_tensors_aligned
+
+    @functools.wraps(flatten)  # ztriton's hooks read the signature through it
+    def flatten_dense_tensors_aligned(self, *args, **kwargs):
+        flat = flatten(self, *args, **kwargs)
+        return flat.detach() if flat.grad_fn is not None else flat
+
+    optimizer.flatten_dense_tensors_aligned = flatten_dense_tensors_aligned
+
+
+_PATCHES = {"accelerate.state": _patch_accelerate_state, "deepspeed.comm.torch": _patch_deepspeed_comm,
+            "deepspeed.runtime.zero.partition_parameters": _patch_deepspeed_gathers,
+            "deepspeed.runtime.zero.stage_1_and_2": _patch_deepspeed_zero12}
 
 
 class _PatchAfterLoad(importlib.abc.MetaPathFinder):

@@ -121,8 +121,8 @@ def warn_if_no_effect(settings: Settings, zero_stage: int) -> None:
 def start_kernel_warm_up() -> None:
     """Load the kernels in the background from the moment a config asks for them (``"ztriton":
     {"warm_up_kernels": true}``): DeepSpeed's own set-up (engine, process groups, the model build) then hides
-    the first launch's fixed cost (``kernels.warmup``). Off by default: measured on an H200 (bench/NOTES.md,
-    session 5), a process that never needs a kernel paid 0.5-0.7 s for the thread in ZeRO-3's initialize.
+    the first launch's fixed cost (``kernels.warmup``). Off by default: a process that never needs a kernel
+    would pay for the thread inside ZeRO-3's initialize (bench/NOTES.md, "Kernels: why the tuning is what it is").
 
     Only on the GPU this rank will use: ``LOCAL_RANK`` (DeepSpeed's launcher sets it and DeepSpeed
     selects that device), else the only GPU. With several GPUs and no LOCAL_RANK nothing starts: a guess
