@@ -12,9 +12,9 @@
 #   split them):
 #   setup (the set-up alone), tests (pytest -m gpu), demo (--json and profile_demo), zero2 / zero3 (the
 #   fresh-process cells), warm (the warm-process benchmarks of issue 15: flatten device tier, defragment probe,
-#   kernels' single-call figures), paths (probe_copy_paths: which copy a warm-process flatten should take),
+#   kernels' single-call figures), paths (probes/probe_copy_paths: which copy a warm-process flatten should take),
 #   tiers (the flatten's evict and host tiers and the defragment's evict tier against the pinned-copy floor),
-#   turns (probe_turns: whether a copy in turns overlaps, and the flatten's host profile; the demo's agreements
+#   turns (probes/probe_turns: whether a copy in turns overlaps, and the flatten's host profile; the demo's agreements
 #   timed part by part).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_session.sh OUT_DIR [setup] [tests] [demo] [zero2] [zero3] [warm] [paths] [tiers] [turns]}
@@ -61,13 +61,13 @@ if want warm; then
   step timeout 300 python3 bench/bench_kernels.py --out "$out"
 fi
 if want paths; then
-  step timeout 240 python3 bench/probe_copy_paths.py --profile --out "$out/copy_paths.json"
+  step timeout 240 python3 bench/probes/probe_copy_paths.py --profile --out "$out/copy_paths.json"
 fi
 if want tiers; then
   step timeout 300 python3 bench/bench_flatten.py --sizes 8.6 --keep-cache --name flatten_h200_tiers --out "$out"
   step timeout 200 python3 bench/probe_defragment.py --out "$out/defragment_probe.json"
 fi
 if want turns; then
-  step timeout 200 python3 bench/probe_turns.py --out "$out/turns_probe.json"
+  step timeout 200 python3 bench/probes/probe_turns.py --out "$out/turns_probe.json"
   step timeout 200 python3 bench/profile_demo.py --empty-cache --repeats 15 --steps zero2_optimizer --no-profile --time-agreements
 fi

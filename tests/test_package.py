@@ -26,7 +26,8 @@ def test_kernels_install_as_ztriton_kernels_only(tmp_path):
 def test_demo_runs_on_cpu_and_reports_identical_bytes(tmp_path):
     import json
 
-    done = run_python(["-m", "ztriton", "demo", "--device", "cpu", "--world-size", "3", "--json", "demo.json"], tmp_path)
+    done = run_python(["-m", "ztriton", "demo", "--device", "cpu", "--world-size", "3", "--json", "demo.json",
+                       "--verbose"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     table = done.stdout.split("\n\n")[-2]
     written = json.loads((tmp_path / "demo.json").read_text())  # --json: the same rows, as printed
@@ -53,7 +54,8 @@ def test_demo_on_cuda_without_a_gpu_is_a_clear_error(tmp_path):
 
 
 def test_demo_output_has_no_foreign_warnings(tmp_path):
-    done = run_python(["-W", "default", "-m", "ztriton", "demo", "--device", "cpu", "--world-size", "2"], tmp_path)
+    done = run_python(["-W", "default", "-m", "ztriton", "demo", "--device", "cpu", "--world-size", "2", "--verbose"],
+                      tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     text = done.stdout + done.stderr
     for noise in ("Warning:", "untested optimizer", "is deprecated"):

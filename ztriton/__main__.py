@@ -1,4 +1,4 @@
-"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W] [--json PATH]``.
+"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W] [--json PATH] [--verbose]``.
 
 The demo builds a built-in MoE-shaped model and runs ZeRO's load-time data movements with the
 DeepSpeed config key "partition_backend" off (DeepSpeed's own code) and on (ztriton): zero.Init, the
@@ -22,6 +22,8 @@ def _parse(argv):
     demo.add_argument("--world-size", type=int, default=8, help="simulated data-parallel world size (default 8)")
     demo.add_argument("--json", metavar="PATH", default=None,
                       help="also write the table, with the versions and device it ran on, to this JSON file")
+    demo.add_argument("--verbose", action="store_true",
+                      help="also print ztriton's per-call lines (path, tier, memory figures) as each step runs")
     return parser.parse_args(argv)
 
 
@@ -44,7 +46,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from ztriton.integrations.deepspeed import demo
 
-    return demo.run(device, args.world_size, json_path=args.json)
+    return demo.run(device, args.world_size, json_path=args.json, verbose=args.verbose)
 
 
 if __name__ == "__main__":

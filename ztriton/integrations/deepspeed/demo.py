@@ -12,10 +12,15 @@ of a simulated data-parallel world (torch's fake process group: every rank's lay
 
 Bytes are compared (they must be identical, run to run and path to path); each step runs nine times on
 a fresh model, and the median time and the largest peak device memory are printed side by side.
+
+The output is a short header, one progress line per step and the table; ztriton's own lines (which path
+and tier each call took, and why) are printed only with ``verbose`` (``--verbose``). On the CPU,
+what ztriton's lines call the device is host memory, and they say so.
 """
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 import sys
 from dataclasses import dataclass
@@ -172,15 +177,18 @@ STEPS = (("ZeRO-3 zero.Init (model build)", "zero_init"),
          ("ZeRO-2 initialize (flatten)", "zero2_optimizer"))
 
 
-def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: int, quiet: bool = False):
-    """Every step with the key off, then on, as rank 0 of the simulated world: table rows."""
+def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: int, quiet: bool = False,
+              verbose: bool = False):
+    """Every step with the key off, then on, as rank 0 of the simulated world: table rows. Unless ``quiet``,
+    one progress line per step (``[1/3] step ... key off 7.5 ms, key on 11.0 ms, bytes identical``); with
+    ``verbose`` ztriton's per-call lines come between, so the step's line is printed before them."""
 
     rows = []
-    for label, kind in STEPS:
+    for number, (label, kind) in enumerate(STEPS, 1):
+        if not quiet:
+            print(f"[{number}/{len(STEPS)}] {label} ...", end="\n" if verbose else " ", flush=True)
         measured = {}
         for backend in ("torch", "triton"):
-            if not quiet:
-                print(f"[demo] {label}: partition_backend={backend!r} ...", flush=True)
             runs = []
             for _ in range(REPEATS):  # each on a fresh model: a single run of a few ms is mostly noise
                 with simulated_world(world_size, 0):
@@ -197,7 +205,9 @@ def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: in
         same = _same_bits(off.bits, on.bits)
         rows.append((label, off.seconds, off.peak_mib, on.seconds, on.peak_mib, same))
         if not quiet:
-            print(f"[demo]   bytes {'identical' if same else 'DIFFERENT'}", flush=True)
+            done = (f"key off {off.seconds * 1e3:.1f} ms, key on {on.seconds * 1e3:.1f} ms, "
+                    f"bytes {'identical' if same else 'DIFFERENT'}")
+            print(f"[{number}/{len(STEPS)}] {label}: {done}" if verbose else done, flush=True)
     return rows
 
 
@@ -233,28 +243,78 @@ def quiet_foreign_warnings() -> None:
     deepspeed_logger.addFilter(_DropMessage("You are using ZeRO with an untested optimizer"))
 
 
-def run(device: str, world_size: int, json_path: str | None = None) -> int:
-    import logging
+class _SayHostMemory:
+    """On the CPU, what ztriton's lines call the device (``tier=device``, ``device -- free 21.59 GiB``) is host
+    memory: a logging filter that says so in the line (a filter may rewrite the record it passes)."""
 
+    WORDS = (("tier=device", "tier=device (host memory)"), (": device -- free", ": device (host memory) -- free"),
+             ("by tier device", "by tier device (host memory)"), ("peak device n/a", "peak n/a"))
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if any(old in message for old, _ in self.WORDS):
+            for old, new in self.WORDS:
+                message = message.replace(old, new)
+            record.msg, record.args = message, ()
+        return True
+
+
+class _DropOurInfo:
+    """A logging filter for DeepSpeed's handlers: drops ztriton's INFO lines (its banners and per-step
+    summaries go through DeepSpeed's logger), keeps every warning and every line of DeepSpeed's own."""
+
+    def filter(self, record) -> bool:
+        return record.levelno >= logging.WARNING or not record.getMessage().startswith("ztriton: ")
+
+
+def _describe(device: str, world_size: int, shape: MoEShape, numel: int) -> None:
+    """The header: what runs, where, and how to read the table."""
+    where = ("cuda (" + torch.cuda.get_device_name() + ")" if device == "cuda" else
+             "cpu (kernels under the Triton interpreter; memory is host memory, its peak not measured)")
+    print('ztriton demo: DeepSpeed ZeRO\'s load-time steps, "partition_backend" off (DeepSpeed) and on (ztriton)')
+    print(f"  device: {where}")
+    print(f"  world:  {world_size} ranks, simulated; this process is rank 0")
+    print(f"  model:  built-in MoE, hidden {shape.hidden}, {shape.experts} fused experts x {shape.layers} layers, "
+          f"{numel * 2 / 2**20:.1f} MiB of bf16 params")
+    print(f"  each step runs {REPEATS} times per path on a fresh model: median times; the bytes must be identical",
+          flush=True)
+
+
+def run(device: str, world_size: int, json_path: str | None = None, verbose: bool = False) -> int:
     quiet_foreign_warnings()
-    ours = logging.getLogger("ztriton")  # which path and tier ztriton took, and why
-    ours.setLevel(logging.INFO)
+    from deepspeed.utils import logger as deepspeed_logger
+
+    ours = logging.getLogger("ztriton")  # which path and tier ztriton took, and why: --verbose
+    ours.setLevel(logging.INFO if verbose else logging.WARNING)
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[demo]   %(message)s"))
+    handler.setFormatter(logging.Formatter("  %(message)s"))
     # banners and step summaries already show through DeepSpeed's logger (see .report): not twice
     handler.addFilter(lambda record: not getattr(record, "ztriton_report", False))
+    if device == "cpu":
+        handler.addFilter(_SayHostMemory())
+    # DeepSpeed's handlers show ztriton's banners and step summaries whatever the "ztriton" logger's level:
+    # without --verbose they drop them; on the CPU they say host memory.
+    ds_filter = _DropOurInfo() if not verbose else _SayHostMemory() if device == "cpu" else None
+    added = [(h, ds_filter) for h in deepspeed_logger.handlers] if ds_filter is not None else []
+    for h, f in added:
+        h.addFilter(f)
     ours.addHandler(handler)
-    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
-    # Params of this size or more are sharded-init placeholders under the key: the fused experts.
-    host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
-    numel = shape.vocab * shape.hidden + shape.layers * (
-        shape.hidden * (1 + 4 * shape.hidden + shape.experts) + 3 * shape.experts * shape.ffn * shape.hidden)
-    print(f"[demo] device={device} world_size={world_size} (simulated; this process plays rank 0) "
-          f"model={shape}: {numel * 2 / 2**20:.1f} MiB of bf16 params", flush=True)
-    if device == "cuda":
-        print("[demo] warm-up on a tiny model (compiles the kernels) ...", flush=True)
-        run_steps(WARMUP_SHAPE, device, world_size, 4096, quiet=True)
-    rows = run_steps(shape, device, world_size, host_init_bytes)
+    try:
+        shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
+        # Params of this size or more are sharded-init placeholders under the key: the fused experts.
+        host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
+        numel = shape.vocab * shape.hidden + shape.layers * (
+            shape.hidden * (1 + 4 * shape.hidden + shape.experts) + 3 * shape.experts * shape.ffn * shape.hidden)
+        _describe(device, world_size, shape, numel)
+        if device == "cuda":
+            print("[0/3] warm-up on a tiny model (loads the kernels) ...", end=" ", flush=True)
+            run_steps(WARMUP_SHAPE, device, world_size, 4096, quiet=True)
+            print("done", flush=True)
+        rows = run_steps(shape, device, world_size, host_init_bytes, verbose=verbose)
+    finally:
+        ours.removeHandler(handler)
+        for h, f in added:
+            h.removeFilter(f)
     _print_table(rows, device)
     if json_path is not None:
         _write_json(json_path, rows, device, world_size, shape, numel, host_init_bytes)
@@ -282,7 +342,7 @@ def _write_json(path: str, rows, device: str, world_size: int, shape: MoEShape, 
                for name, off_s, off_peak, on_s, on_peak, same in rows]}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"[demo] wrote {path}", flush=True)
+    print(f"wrote {path}", flush=True)
 
 
 def _print_table(rows, device: str) -> None:
@@ -296,5 +356,8 @@ def _print_table(rows, device: str) -> None:
         print(f"{name:40s} {ds_s * 1e3:8.1f} {mib(ds_peak)} {zt_s * 1e3:8.1f} {mib(zt_peak)} "
               f"{'identical' if same else 'DIFFERENT':>10s}")
     if device == "cpu":
-        print("\n(CPU: kernels run under the Triton interpreter, so ztriton's times here say nothing about "
-              "its speed, and peak device memory is measured on CUDA only.)")
+        print("\n(CPU: the kernels run under the Triton interpreter, so ztriton's times here say nothing about "
+              "its speed on a GPU; peak memory is measured on CUDA only. `--verbose` shows ztriton's own lines.)")
+    else:
+        print("\n(peak MiB: device memory above the step's start, the largest of the runs. `--verbose` shows "
+              "ztriton's own lines: path, tier and why.)")
