@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from factories import random_bits
 from ztriton.testing import bits, fake_world
 
 __all__ = [
@@ -55,11 +55,7 @@ def bits_tensor(shape: Sequence[int], dtype: torch.dtype, seed: int, index: int 
     Random bytes rather than a numeric formula, so that every element is distinct with high probability
     (an off-by-one slice shows) and the check needs no float arithmetic in bf16/fp16.
     """
-    numel = math.prod(shape)
-    width = torch.empty((), dtype=dtype).element_size()
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=generator)
-    return raw.view(dtype).view(tuple(shape))
+    return random_bits(shape, dtype, torch.Generator().manual_seed(seed * 1_000_003 + index))
 
 
 class BitsModule(torch.nn.Module):

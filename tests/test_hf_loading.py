@@ -470,7 +470,7 @@ names = ("_load_pretrained_model", "_initialize_missing_keys")
 def ours():
     functions = [PreTrainedModel.__dict__[n] for n in names]
     functions = [getattr(f, "__func__", f) for f in functions]
-    return [f.__code__.co_filename.endswith("ztriton/integrations/transformers/__init__.py") for f in functions]
+    return [f.__code__.co_filename.endswith("ztriton/integrations/hooks.py") for f in functions]
 print("probe:", hf_integration.installed(), ours(), hf_integration.install(), ours())
 hf_integration.uninstall()
 print("probe:", hf_integration.installed(), ours())
@@ -550,19 +550,19 @@ def test_install_is_all_or_none(uninstalled, monkeypatch):
     """A wrap that fails after another went in: install() puts the first back, replaces nothing, stands aside."""
     from ztriton.integrations import standaside
 
-    wrap = hf_integration._wrap
+    wrap = hf_integration.wrap
 
-    def failing_second(owner, name, wrapper, static=False):
+    def failing_second(owner, name, wrapper, originals):
         if name == "_initialize_missing_keys":
             raise RuntimeError("cannot wrap _initialize_missing_keys")
-        wrap(owner, name, wrapper, static)
+        wrap(owner, name, wrapper, originals)
 
-    monkeypatch.setattr(hf_integration, "_wrap", failing_second)
+    monkeypatch.setattr(hf_integration, "wrap", failing_second)
     assert hf_integration.install() is False
     assert not hf_integration.installed()
     assert {n: PreTrainedModel.__dict__[n] for n in uninstalled} == uninstalled
     assert "cannot wrap _initialize_missing_keys" in standaside.REASONS["transformers"]
-    monkeypatch.setattr(hf_integration, "_wrap", wrap)
+    monkeypatch.setattr(hf_integration, "wrap", wrap)
     assert hf_integration.install() and "transformers" not in standaside.REASONS
 
 

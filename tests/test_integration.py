@@ -20,7 +20,7 @@ import torch
 import deepspeed
 from ds_reference import BitsModule, bits, bits_tensor, dtype_config, gloo_safe_gathers, zero3_reference
 from ztriton.integrations.deepspeed import config as integration
-from ztriton.integrations.deepspeed import report, zero_init
+from ztriton.integrations.deepspeed import init_context, report
 from ztriton.integrations.deepspeed.state import STATE
 from ztriton.policy import Options
 from ztriton.layout import zero3_slice
@@ -541,7 +541,7 @@ def test_key_read_from_json_path_and_deepspeed_config_object(tmp_path, fake_worl
 
 
 def test_long_loads_log_progress(fake_world, caplog, monkeypatch):
-    monkeypatch.setattr(zero_init, "PROGRESS_EVERY_BYTES", 1000)
+    monkeypatch.setattr(init_context, "PROGRESS_EVERY_BYTES", 1000)
     with fake_world(2, 0), caplog.at_level(logging.INFO, logger="ztriton"):
         with deepspeed.zero.Init(config_dict_or_path=config("triton")):
             BitsModule([(300,), (400,), (10,)], seed=1)  # one module: 710 bf16 = 1420 bytes, past 1000

@@ -4,7 +4,6 @@ fallback), compared on the bytes; the reference itself against ``torch.cat`` con
 Every destination is poisoned first, so a test sees both that each element in range was written and
 that nothing outside it was. On CPU the kernels run under the Triton interpreter: sizes stay small.
 """
-import math
 import os
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from factories import random_bits
 from ztriton.kernels import (bits, byte_extent, byte_extents, copy_chunk, pack, pack_plan, pack_slices,
                              torch_copy_chunk, torch_pack, torch_pack_slices, uncovered)
 
@@ -36,12 +36,9 @@ def kernels_always(monkeypatch, request):
 
 def random_tensor(shape, dtype, generator=None) -> torch.Tensor:
     """Random bit patterns of any dtype: raw bytes viewed as ``dtype`` (NaNs included)."""
-    numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=generator)
     if dtype == torch.bool:
-        raw = raw % 2
-    return raw.view(dtype).reshape(shape).to(DEVICE)
+        return (random_bits(shape, torch.uint8, generator) % 2).view(torch.bool).to(DEVICE)
+    return random_bits(shape, dtype, generator).to(DEVICE)
 
 
 def poisoned(numel, dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ztriton.sharded_init import Recorder, philox, replay, selfcheck
-from ztriton.sharded_init.recorder import _trunc_normal_is_pointwise
+from ztriton.sharded_init.aten_ops import trunc_normal_is_pointwise
 from ztriton.sharded_init.replay import CudaDraws
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +76,7 @@ def check(name, numel, dtype, seed=2024, worlds=(1, 3, 8)):
     full, state_full, after_full = full_path(init, numel, dtype, seed)
     record, state_recorded, fallbacks = recorded_path(init, numel, dtype, seed)
     assert torch.equal(state_recorded, state_full), f"{name} {dtype} {numel}: generator after recording"
-    if name != "trunc_normal_" or _trunc_normal_is_pointwise():
+    if name != "trunc_normal_" or trunc_normal_is_pointwise():
         assert not fallbacks, fallbacks
     for world in worlds:
         psize = -(-numel // world)

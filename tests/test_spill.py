@@ -227,8 +227,8 @@ def fake_cuda_registration(register_error=0, unregister_error=0):
         calls.append(("unregister", address))
         return unregister_error
 
-    with mock.patch.object(staging, "_host_register", register), mock.patch.object(staging, "_host_unregister",
-                                                                                  unregister):
+    with mock.patch.object(staging.spill_memory, "_host_register", register), \
+            mock.patch.object(staging.spill_memory, "_host_unregister", unregister):
         yield calls
 
 
@@ -264,13 +264,13 @@ def test_a_block_that_cannot_be_pinned_is_pageable_with_one_warning(caplog):
 
 def test_memory_that_cannot_be_unregistered_is_never_freed(caplog):
     pool = SpillPool(pin=True, idle_s=None)
-    kept = len(staging._UNFREEABLE)
+    kept = len(staging.spill_memory._UNFREEABLE)
     with fake_cuda_registration(unregister_error=1), caplog.at_level(logging.WARNING, logger="ztriton"):
         pool.lend(100, "cpu")
         pool.free()
         gc.collect()
-    assert len(staging._UNFREEABLE) == kept + 1 and "could not unregister" in caplog.text
-    del staging._UNFREEABLE[kept:]
+    assert len(staging.spill_memory._UNFREEABLE) == kept + 1 and "could not unregister" in caplog.text
+    del staging.spill_memory._UNFREEABLE[kept:]
 
 
 def test_cpu_requests_are_pageable_and_cuda_ones_ask_for_pinned_memory():

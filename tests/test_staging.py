@@ -128,7 +128,7 @@ def test_arguments_are_checked():
 
 def test_shared_ring_is_reused_grown_and_released(monkeypatch):
     staging.release()
-    monkeypatch.setattr(staging, "_shared", None)  # start without the ring earlier tests left
+    monkeypatch.setattr(staging.ring_buffers, "_shared", None)  # start without the ring earlier tests left
     small = staging.ring(128, count=2)
     assert staging.ring(64, count=1) is small  # big enough: the same ring, its buffers kept
     small.release(small.acquire())
@@ -148,11 +148,12 @@ def test_copy_staged_copies_chunk_by_chunk_and_returns_the_buffers(monkeypatch):
     """The ring copy for pageable memory (no caller in flatten or defragment since they use the spill): host to
     host here, the same steps as device <-> pageable host, through 1 MiB chunks of the shared ring."""
     staging.release()
-    monkeypatch.setattr(staging, "_shared", None)  # start without the ring earlier tests left
+    monkeypatch.setattr(staging.ring_buffers, "_shared", None)  # start without the ring earlier tests left
     src = torch.randint(0, 256, ((3 << 20) + 17,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     staging.copy_staged(dst.view(torch.uint8), src, chunk_bytes=1 << 20)
-    assert torch.equal(dst, src) and staging._shared.lent == 0 and staging._shared.buffer_bytes == 1 << 20
+    shared = staging.ring_buffers._shared
+    assert torch.equal(dst, src) and shared.lent == 0 and shared.buffer_bytes == 1 << 20
     with pytest.raises(ValueError, match="contiguous"):
         staging.copy_staged(dst[::2], src[::2])
     staging.release()
@@ -177,7 +178,7 @@ def test_exit_cancels_idle_timers_and_waits_for_one_freeing(monkeypatch):
     freeing.release(freeing.acquire())
     assert started.wait(5)  # the short timer is inside its callback now
     begin = time.monotonic()
-    staging._stop_timers_at_exit()
+    staging.idle.stop_timers_at_exit()
     assert finished.is_set()  # waited for the one freeing memory
     assert not waiting._timer.is_alive()  # the long one was cancelled, not waited out
     assert time.monotonic() - begin < 5
@@ -190,7 +191,7 @@ def test_exit_stops_the_spill_pools_timer():
     del loan
     timer = pool._timer
     assert timer is not None and timer.is_alive()
-    staging._stop_timers_at_exit()
+    staging.idle.stop_timers_at_exit()
     timer.join(1)
     assert not timer.is_alive()
     pool.free()

@@ -10,6 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from factories import random_bits
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
 from ztriton.kernels import state, torch_route
@@ -54,8 +55,7 @@ def test_turns_cover_every_index_once_in_order(n, first, growth, last):
 
 def random_source(numel: int, dtype: torch.dtype, g: torch.Generator, at_offset: bool) -> torch.Tensor:
     """``numel`` elements of random bits (raw bool bytes too), one element into their storage if ``at_offset``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, ((numel + 1) * itemsize,), dtype=torch.uint8, generator=g).view(dtype).to(DEVICE)
+    raw = random_bits((numel + 1,), dtype, g).to(DEVICE)
     return raw[1:] if at_offset else raw[:numel]
 
 

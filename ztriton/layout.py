@@ -37,23 +37,23 @@ MAX_PARAMS = 2**31
 NCCL_START_ALIGNMENT_FACTOR = 2
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     """A Python int that is not a bool (``True`` would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_world(world_size: int) -> None:
-    if not _is_int(world_size) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
 
 
 def _check_rank(rank: int, world_size: int) -> None:
-    if not _is_int(rank) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
 
 def _check_numel(name: str, numel: int) -> None:
-    if not _is_int(numel) or numel < 0:
+    if not is_int(numel) or numel < 0:
         raise ValueError(f"{name} must be an int >= 0, got {numel!r}")
 
 
@@ -113,7 +113,7 @@ def zero3_slice(numel: int, world_size: int) -> Zero3Slice:
 
 def param_alignment(element_size: int, enabled: bool) -> int:
     """Elements each param is padded to with ``parameter_alignment``: 16 bytes' worth, else 1."""
-    if not _is_int(element_size) or element_size < 1:
+    if not is_int(element_size) or element_size < 1:
         raise ValueError(f"element_size must be an int >= 1 (bytes), got {element_size!r}")
     _check_flag("enabled", enabled)
     return 16 // math.gcd(16, element_size) if enabled else 1
@@ -200,7 +200,14 @@ def zero12_group_layout(
     _check_flag("round_robin", round_robin)
     _check_flag("parameter_alignment", parameter_alignment)
     palign = param_alignment(element_size, parameter_alignment)
+    everyone = trainable is None or all(trainable)
+    return _zero12_group_layout(tuple(numels), world_size, None if everyone else tuple(trainable), round_robin, palign)
 
+
+# The ZeRO-1/2 hook checks a group's layout against DeepSpeed's and then flattens it: one computation.
+@functools.lru_cache(maxsize=16)
+def _zero12_group_layout(numels: tuple[int, ...], world_size: int, trainable: tuple[bool, ...] | None,
+                         round_robin: bool, palign: int) -> FlatGroupLayout:
     members = [i for i, n in enumerate(numels) if n > 0 and (trainable is None or trainable[i])]
     if round_robin:
         members = [members[k] for k in round_robin_order(len(members), world_size)]

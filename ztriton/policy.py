@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from ztriton import memory
+from ztriton.layout import is_int
 from ztriton.memory import GiB, MemoryInfo, MiB, format_bytes
 
 logger = logging.getLogger("ztriton")
@@ -46,7 +47,7 @@ def check_bytes(name: str, value: object) -> int:
             value = operator.index(value)
         except TypeError:
             pass
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
     return value
 

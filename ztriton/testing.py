@@ -30,6 +30,7 @@ from ztriton.integrations.deepspeed.reference import deepspeed_flatten
 from ztriton.integrations.deepspeed.worlds import deepspeed_world, environment, rank_environment, simulated_world
 from ztriton.integrations.deepspeed.worlds import teardown_world as teardown
 from ztriton.kernels.reference import bits
+from ztriton.layout import is_int
 from ztriton.memory import measure_peak
 
 __all__ = ["DEEPSPEED_CPU_ENV", "WorldError", "bits", "deepspeed_flatten", "fake_world", "measure_peak", "run_world",
@@ -50,9 +51,9 @@ class WorldError(RuntimeError):
 
 
 def _check_world(world_size: int, rank: int) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
 
 

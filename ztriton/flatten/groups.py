@@ -33,7 +33,7 @@ import torch
 
 from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, agreed, min_over_ranks, world_of
-from ztriton.flatten.tiers import TIERS, Group, Run
+from ztriton.flatten.tiers import TIERS, Group, TierInputs
 from ztriton.kernels import byte_extents
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
 from ztriton.memory import format_bytes
@@ -273,10 +273,10 @@ def _overlapping(begins: np.ndarray, ends: np.ndarray, *ties: np.ndarray) -> lis
 
 def _check_cluster(cluster: list[tuple[int, int]], lists: list[list[torch.Tensor]]) -> None:
     """Params (group, index) whose byte extents overlap: raise for the first two that share an element."""
-    runs = [_runs(lists[i][j]) for i, j in cluster]
-    begins = np.concatenate([r[0] for r in runs])
-    ends = np.concatenate([r[1] for r in runs])
-    owner = np.concatenate([np.full(len(r[0]), k) for k, r in enumerate(runs)])
+    spans = [_byte_spans(lists[i][j]) for i, j in cluster]
+    begins = np.concatenate([s[0] for s in spans])
+    ends = np.concatenate([s[1] for s in spans])
+    owner = np.concatenate([np.full(len(s[0]), k) for k, s in enumerate(spans)])
     order = np.argsort(begins, kind="stable")
     begins, ends, owner = begins[order], ends[order], owner[order]
     reach = np.maximum.accumulate(ends)
@@ -293,8 +293,8 @@ def _check_cluster(cluster: list[tuple[int, int]], lists: list[list[torch.Tensor
                      "param once (model.parameters() does) or untie it (clone one of them)")
 
 
-def _runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes ``t`` covers as ``[begin, end)`` runs (absolute addresses), one per contiguous run.
+def _byte_spans(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes ``t`` covers as ``[begin, end)`` spans (absolute addresses), one per contiguous stretch.
 
     The set of elements a view covers does not depend on the order of its dims: sorted by stride and
     merged where contiguous, a transposed or sliced view becomes few long runs.
@@ -353,7 +353,7 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
     free, host, spill = min_over_ranks([figures.device_free, figures.host_available, spillable], world)
     decision = policy.choose_flatten_tier(g.nbytes, world.size, free, spill, options.headroom_bytes, forced)
     policy.log_decision(f"flatten group {g.index}", decision, figures)
-    run = Run(decision, world, options, host)
+    inputs = TierInputs(decision, world, options, host)
 
     failures = []
     for tier in policy.flatten_fallbacks(decision.tier):
@@ -363,7 +363,7 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
         elif tier is not Tier.DEVICE:
             before_moving()
         try:
-            flat = TIERS[tier](g, run)
+            flat = TIERS[tier](g, inputs)
         except torch.OutOfMemoryError as exc:
             failures.append(f"{tier.value}: {exc}")
             logger.warning("ztriton flatten group %d: tier %s failed (%s); trying the next tier",

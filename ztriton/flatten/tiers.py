@@ -27,7 +27,7 @@ from ztriton.policy import FlattenDecision, Options, Tier
 
 logger = logging.getLogger("ztriton")
 
-__all__ = ["Group", "Run", "TIERS"]
+__all__ = ["Group", "TierInputs", "TIERS"]
 
 # Bound of the per-group checksum (below 2**62, so that it and its negation fit an int64 all-reduce).
 _CHECKSUM_MOD = (1 << 61) - 1
@@ -67,7 +67,7 @@ class Group:
 
 
 @dataclass(frozen=True)
-class Run:
+class TierInputs:
     """What a tier needs besides the group: the decision, the world, the options and the (rank-agreed)
     free host memory, which the decision does not carry."""
 
@@ -77,13 +77,13 @@ class Run:
     host_bytes: int
 
 
-def _device_tier(g: Group, run: Run) -> torch.Tensor:
+def _device_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     _pack(flat, g.params, g.offsets)
     return flat
 
 
-def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
+def _distributed_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
     """Pack this rank's window, gather every rank's window into the flat buffer (collective).
 
     Taken only if every rank holds the same values (a checksum, agreed): the gather gives each rank
@@ -97,7 +97,7 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
     then is the flat buffer allocated. Every step's outcome is agreed across ranks; any failure
     leaves the params on the device or in that host copy, and falls through on every rank together.
     """
-    world = run.world
+    world = inputs.world
     step = agree(world, lambda: _checksum(g))
     if not step.ok:
         raise OutOfMemory(f"distributed tier: the values' checksum failed ({step.describe()})")
@@ -122,14 +122,14 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
         return empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
 
     flat = None
-    decision = run.decision
+    decision = inputs.decision
     if decision.free_bytes - decision.headroom_bytes >= g.nbytes + part.numel() * g.element_size:
         flat = agree(world, allocate_flat).value
     if flat is None:
-        if run.host_bytes < g.nbytes:
+        if inputs.host_bytes < g.nbytes:
             raise OutOfMemory(f"the flat buffer does not fit beside the params and host memory "
-                              f"({format_bytes(run.host_bytes)}) cannot hold a copy of them, so the params were kept")
-        step = agree(world, lambda: _host_copy(g, run, pinned=False))
+                              f"({format_bytes(inputs.host_bytes)}) cannot hold a copy of them, so the params were kept")
+        step = agree(world, lambda: _host_copy(g, inputs, pinned=False))
         if not step.ok:
             raise OutOfMemory(f"distributed tier: no host copy of the params ({step.describe()}); the params were kept")
         _point_at(g, step.value, range(len(g.params)))  # their device memory goes; the host copy holds the values
@@ -144,18 +144,18 @@ def _distributed_tier(g: Group, run: Run) -> torch.Tensor:
     return flat
 
 
-def _evict_tier(g: Group, run: Run) -> torch.Tensor:
+def _evict_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
     """Move the fewest params that free enough device memory to host memory, then fill the flat buffer
     from the rest (one pack launch) and from host memory (one copy per evicted param)."""
     resident = [k for k in range(len(g.params)) if k not in g.evicted]
-    need = run.decision.evict_bytes if run.decision.tier is Tier.EVICT else _evict_estimate(g, run.options)
+    need = inputs.decision.evict_bytes if inputs.decision.tier is Tier.EVICT else _evict_estimate(g, inputs.options)
     picked = policy.choose_evictions([g.numel(k) * g.element_size for k in resident], need)
-    _evict(g, [resident[i] for i in picked], run)
+    _evict(g, [resident[i] for i in picked], inputs)
     try:
         flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     except torch.OutOfMemoryError:  # the estimate was short (fragmentation, other processes): evict all
         logger.info("ztriton flatten group %d: flat buffer still does not fit, evicting every param", g.index)
-        _evict(g, [k for k in range(len(g.params)) if k not in g.evicted], run)
+        _evict(g, [k for k in range(len(g.params)) if k not in g.evicted], inputs)
         flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     on_device = [k for k in range(len(g.params)) if k not in g.evicted]
     # The pack zeroes every gap, the evicted params' slots too; the copies below overwrite those (queued
@@ -167,10 +167,10 @@ def _evict_tier(g: Group, run: Run) -> torch.Tensor:
     return flat
 
 
-def _host_tier(g: Group, run: Run) -> torch.Tensor:
+def _host_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
     """Copy every param into one host buffer laid out as the flat buffer, point the params there
     (freeing their device memory), allocate the flat buffer and copy the host buffer into it at once."""
-    host = _host_copy(g, run, layout=True)
+    host = _host_copy(g, inputs, layout=True)
     _point_at(g, host, range(len(g.params)), layout=True)
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
     with staging.synchronized(g.device):
@@ -192,14 +192,14 @@ def _checksum(g: Group) -> int:
     once, in place; one device synchronisation."""
     # Summed in the elements' own integer width (wrapping): asking for an int64 sum makes torch cast the whole
     # param to int64 first, a 4x temporary exactly when device memory is short.
-    sums = [_bits(p.detach()).sum(dtype=_bits(p.detach()).dtype).to(torch.int64) for p in g.params]
+    sums = [_integer_view(p.detach()).sum(dtype=_integer_view(p.detach()).dtype).to(torch.int64) for p in g.params]
     total = 0
     for k, value in enumerate(torch.stack(sums).tolist() if sums else []):
         total = (total + (k + 1) * (value % _CHECKSUM_MOD)) % _CHECKSUM_MOD
     return total
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def _integer_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as same-width integers (no copy where a view is possible)."""
     width = t.element_size()
     if width in (1, 2, 4, 8):
@@ -213,11 +213,11 @@ def _evict_estimate(g: Group, options: Options) -> int:
     return max(0, g.nbytes - max(0, free - options.headroom_bytes))
 
 
-def _chunk_bytes(run: Run) -> int:
-    return policy.choose_chunk_bytes(run.decision.free_bytes, run.options.headroom_bytes, run.options.chunk_bytes)
+def _chunk_bytes(inputs: TierInputs) -> int:
+    return policy.choose_chunk_bytes(inputs.decision.free_bytes, inputs.options.headroom_bytes, inputs.options.chunk_bytes)
 
 
-def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
+def _evict(g: Group, positions: Sequence[int], inputs: TierInputs) -> None:
     """Copy these params into spill memory (:func:`_spill`) and point them there; their device memory is freed.
 
     The params are re-pointed only once every copy is complete: a failure on the way leaves them as
@@ -226,7 +226,7 @@ def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
     if not positions:
         return
     copies = staging.spill_copies([g.params[k].detach() for k in positions], g.device, "evicted params",
-                                  copy=lambda out, src: _copy_to_host(out, src, run))
+                                  copy=lambda out, src: _copy_to_host(out, src, inputs))
     for k, copy in zip(positions, copies):
         g.params[k].data = copy.view(g.shapes[k])
         g.evicted.add(k)
@@ -234,7 +234,7 @@ def _evict(g: Group, positions: Sequence[int], run: Run) -> None:
                 format_bytes(sum(c.numel() for c in copies) * g.element_size))
 
 
-def _host_copy(g: Group, run: Run, layout: bool = False, pinned: bool = True) -> torch.Tensor:
+def _host_copy(g: Group, inputs: TierInputs, layout: bool = False, pinned: bool = True) -> torch.Tensor:
     """Host memory holding every param's values: end to end, or (``layout``) at their offsets of the flat
     layout with its pads zeroed, so that it can be copied to the flat buffer as is. Returns once every copy
     has landed.
@@ -252,7 +252,7 @@ def _host_copy(g: Group, run: Run, layout: bool = False, pinned: bool = True) ->
     with staging.synchronized(g.device):
         for k, p in enumerate(g.params):
             start = g.offsets[k] if layout else at
-            _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), run, pinned)
+            _copy_to_host(host.narrow(0, start, g.numel(k)), p.detach(), inputs, pinned)
             if layout:  # host memory outside every copy's destination: zeroed while the copies run
                 host.narrow(0, start + g.numel(k), g.layout.paddings[k]).zero_()
             at += g.numel(k)
@@ -282,7 +282,7 @@ def _point_at(g: Group, host: torch.Tensor, positions: Sequence[int], layout: bo
         at += g.numel(k)
 
 
-def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool = True) -> None:
+def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, inputs: TierInputs, pinned: bool = True) -> None:
     """``src`` flattened row-major into the contiguous view ``dst`` of spill memory: queued, not waited for
     (the caller synchronises, ``staging.synchronized``).
 
@@ -295,12 +295,12 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, run: Run, pinned: bool =
         if pinned:
             dst.copy_(src.reshape(-1), non_blocking=True)
         else:  # pageable: in chunks through the ring, the next chunk's DMA overlapping this one's host copy
-            staging.copy_staged(dst, src.reshape(-1), _chunk_bytes(run))
+            staging.copy_staged(dst, src.reshape(-1), _chunk_bytes(inputs))
         return
     if not kernels_run_on(src.device):
         dst.view(src.shape).copy_(src)
         return
-    sizes = policy.staging_numels(_chunk_bytes(run), src.numel(), src.element_size())
+    sizes = policy.staging_numels(_chunk_bytes(inputs), src.numel(), src.element_size())
     stage = memory.empty_first_fitting(sizes, src.dtype, src.device, "staging chunk")
     for start in range(0, src.numel(), stage.numel()):
         n = min(stage.numel(), src.numel() - start)

@@ -20,7 +20,7 @@ from ztriton.comm import world_of
 from ztriton.loading import (DEFAULT_THREADS, Checkpoint, CheckpointError, Concat, Key, LoadReport, Source, Stack,
                              Target, check_options, leaf_keys, load_into)
 
-__all__ = ["load_checkpoint", "module_targets"]
+__all__ = ["load_checkpoint", "module_targets", "tensor_target"]
 
 logger = logging.getLogger("ztriton")
 
@@ -35,6 +35,14 @@ def _rank(param: torch.nn.Parameter, group) -> int:
     if not dist.is_initialized():
         return 0
     return dist.get_rank(group if group is not None else getattr(param, "ds_process_group", None))
+
+
+def tensor_target(name: str, tensor: torch.Tensor, source: Source, group=None) -> tuple[Target, torch.Tensor | None]:
+    """The Target filling ``tensor`` on this rank: a ZeRO-3 param's rank partition, anything else whole. The
+    second item, when not None, is a contiguous stand-in to copy into ``tensor`` once it is loaded."""
+    if _is_zero3(tensor):
+        return _zero3_target(name, tensor, source, group), None
+    return _whole_target(name, tensor, source)
 
 
 def _zero3_target(name: str, param: torch.nn.Parameter, source: Source, group) -> Target:
@@ -108,13 +116,10 @@ def module_targets(module: torch.nn.Module, checkpoint: Checkpoint, group=None,
             continue
         name, tensor = ready[0]
         source = sources.get(name, Key(name))
-        if _is_zero3(tensor):
-            targets.append(_zero3_target(name, tensor, source, group))
-        else:
-            target, stand_in = _whole_target(name, tensor, source)
-            targets.append(target)
-            if stand_in is not None:
-                stand_ins.append((tensor, stand_in))
+        target, stand_in = tensor_target(name, tensor, source, group)
+        targets.append(target)
+        if stand_in is not None:
+            stand_ins.append((tensor, stand_in))
     return targets, missing, stand_ins
 
 

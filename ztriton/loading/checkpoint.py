@@ -20,6 +20,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
+from ztriton.layout import is_int
+
 __all__ = ["Checkpoint", "CheckpointError", "TensorInfo", "SAFETENSORS_DTYPES", "read_into"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -56,9 +58,6 @@ class TensorInfo(NamedTuple):
     nbytes: int
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _parse_entry(path: Path, name: str, entry: object,
                  data_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
@@ -73,9 +72,9 @@ def _parse_entry(path: Path, name: str, entry: object,
     if st_dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{where}: unknown or unsupported dtype {st_dtype!r} (this torch knows "
                               f"{sorted(SAFETENSORS_DTYPES)}); convert the checkpoint or upgrade torch")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative ints; the file is corrupted")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end; "
                               "the file is corrupted")

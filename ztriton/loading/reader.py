@@ -29,6 +29,7 @@ import torch
 
 from ztriton import staging
 from ztriton.kernels import pack_slices
+from ztriton.layout import is_int
 from ztriton.loading.checkpoint import CheckpointError, TensorInfo, close_files, open_files, read_into
 from ztriton.loading.targets import Job
 from ztriton.memory import kernels_run_on, synchronize
@@ -271,7 +272,7 @@ def _zero(out: torch.Tensor) -> None:
         out.zero_()
 
 
-class _Runner:
+class _JobReader:
     def __init__(self, jobs: list[Job], capacity: int, threads: int, progress: bool):
         self.jobs = jobs
         self.capacity = capacity
@@ -281,7 +282,7 @@ class _Runner:
         self.device_staging = _DeviceStaging(capacity)
         self.bytes_read = 0
 
-    def run(self) -> int:
+    def read_all(self) -> int:
         order = sorted(range(len(self.jobs)), key=lambda j: self.jobs[j].first_byte)
         batches = make_batches(self.jobs, order, self.capacity)
         devices = {job.out.device for job in self.jobs}
@@ -377,20 +378,17 @@ class _Runner:
         return exc
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def check_options(*, staging_bytes: object, threads: object, progress: object) -> None:
     """Refuse a load's options before anything is opened, read or written (TypeError for the wrong
     type, ValueError out of range, each naming the argument)."""
     if staging_bytes is not None:
-        if not _is_int(staging_bytes):
+        if not is_int(staging_bytes):
             raise TypeError(f"staging_bytes must be an int or None (default {DEFAULT_STAGING_BYTES}), got "
                             f"{type(staging_bytes).__name__}")
         if not MIN_STAGING_BYTES <= staging_bytes <= MAX_STAGING_BYTES:
             raise ValueError(f"staging_bytes must be in [{MIN_STAGING_BYTES}, 2**63 - 1], got {staging_bytes}")
-    if not _is_int(threads):
+    if not is_int(threads):
         raise TypeError(f"threads must be an int (default {DEFAULT_THREADS}), got {type(threads).__name__}")
     if not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be in [1, {MAX_THREADS}] (reader threads, each with a staging buffer), "
@@ -412,4 +410,4 @@ def run_jobs(jobs: list[Job], *, staging_bytes: int | None = None, threads: int 
     """Read and write every job; the number of checkpoint bytes read."""
     check_options(staging_bytes=staging_bytes, threads=threads, progress=progress)
     capacity = staging_capacity(jobs, staging_bytes)
-    return _Runner(jobs, capacity, threads, progress).run()
+    return _JobReader(jobs, capacity, threads, progress).read_all()

@@ -25,6 +25,8 @@ from typing import Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from ztriton.layout import is_int
+
 __all__ = ["Key", "Stack", "Concat", "Source", "Span", "SourceError", "leaf_keys", "built_shape", "resolve_window"]
 
 
@@ -52,7 +54,7 @@ def _check_parts(kind: str, parts: object, dim: object) -> tuple:
     for i, part in enumerate(parts):
         if not isinstance(part, (Key, Stack, Concat)):
             raise TypeError(f"{kind} part {i} must be a Key, Stack or Concat, got {type(part).__name__}")
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    if not is_int(dim):
         raise TypeError(f"{kind} dim must be an int, got {dim!r}")
     return parts
 

@@ -15,6 +15,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ztriton import policy
+from ztriton.layout import is_int
 from ztriton.loading.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from ztriton.loading.sources import Concat, Key, Source, SourceError, Stack, built_shape, leaf_keys, resolve_window
 
@@ -72,9 +74,6 @@ class Job:
         return (str(part.tensor.file), part.tensor.offset + part.start * part.tensor.dtype.itemsize)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _suggest(key: str, keys: list[str]) -> str:
     close = difflib.get_close_matches(key, keys, n=3)
@@ -83,25 +82,24 @@ def _suggest(key: str, keys: list[str]) -> str:
 
 def _check_out(target: Target, where: str) -> torch.Tensor:
     out = target.out
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{where}: out must be a torch.Tensor, got {type(out).__name__}")
+    if isinstance(out, torch.Tensor) and out.device.type == "meta":
+        raise CheckpointError(f"{where}: out is on the meta device (it has no memory to load into); allocate it "
+                              "first")
+    policy.check_tensor(out, f"{where}: out")
     if out.dim() != 1 or not out.is_contiguous():
         raise CheckpointError(f"{where}: out must be a 1-D contiguous tensor, got shape {tuple(out.shape)} with "
                               f"strides {out.stride()}; pass a flat view (e.g. the ZeRO-3 partition ds_tensor)")
-    if out.device.type == "meta":
-        raise CheckpointError(f"{where}: out is on the meta device (it has no memory to load into); allocate it "
-                              "first")
     return out.detach()
 
 
 def _check_window(target: Target, numel: int, out: torch.Tensor, where: str) -> int:
     """The number of elements to load; checks start and count against the tensor and ``out``."""
-    if not _is_int(target.start) or target.start < 0:
+    if not is_int(target.start) or target.start < 0:
         raise CheckpointError(f"{where}: start must be an int >= 0, got {target.start!r}")
     count = target.count
     if count is None:
         count = max(0, min(out.numel(), numel - target.start))
-    if not _is_int(count) or count < 0:
+    if not is_int(count) or count < 0:
         raise CheckpointError(f"{where}: count must be an int >= 0, got {count!r}")
     if count > out.numel():
         raise CheckpointError(f"{where}: count={count} elements do not fit in out of {out.numel()} elements")

@@ -15,8 +15,9 @@ the placeholders, and at each module's end swaps them for partitions filled by :
                 recorder.release(record)
 
 Modules: :mod:`.philox` (CUDA counter arithmetic), :mod:`.rng` (generator states), :mod:`.record` (what
-a placeholder remembers), :mod:`.recorder` (placeholders and the recording modes), :mod:`.replay`,
-:mod:`.selfcheck` (whether this torch and device generate as :mod:`.philox` says: checked once per kind
+a placeholder remembers), :mod:`.recorder` (placeholders and their records), :mod:`.modes` (the torch modes it
+watches through), :mod:`.aten_ops` (which ops can be recorded), :mod:`.callers` (the places its log lines name),
+:mod:`.replay`, :mod:`.selfcheck` (whether this torch and device generate as :mod:`.philox` says: checked once per kind
 before it is first recorded; a kind that fails is generated in full).
 """
 from ztriton.sharded_init.record import Record

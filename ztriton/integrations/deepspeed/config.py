@@ -10,6 +10,7 @@ import base64
 import difflib
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,21 @@ def settings_from(config: Any) -> Settings:
     """
     if config is None:
         return Settings()
-    values = _config_dict(config)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if not isinstance(config, DeepSpeedConfig):
+        return _parse(_config_dict(config))
+    settings = _PARSED.get(config)  # a DeepSpeedConfig is parsed once: its engine asks again
+    if settings is None:
+        settings = _PARSED[config] = _parse(config._param_dict)
+    return settings
+
+
+# Each DeepSpeedConfig's Settings, parsed when it was read (weakly keyed: they go with the config).
+_PARSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _parse(values: dict) -> Settings:
     backend = values.get(CONFIG_KEY, "torch")
     if backend not in BACKENDS:
         raise ValueError(f"DeepSpeed config: {CONFIG_KEY!r} must be one of {list(BACKENDS)}, got {backend!r} "
@@ -168,7 +183,7 @@ def config_init(original, self, *args, **kwargs):
     """``DeepSpeedConfig.__init__``: the key is read and checked wherever DeepSpeed reads a config."""
     args, kwargs = _dict_of_config_object(type(self), args, kwargs)
     original(self, *args, **kwargs)
-    settings = settings_from(self._param_dict)  # an unknown backend or a bad section fails here, before any work
+    settings = settings_from(self)  # an unknown backend or a bad section fails here, before any work
     if settings.triton:
         from ztriton.integrations.standaside import announce
 

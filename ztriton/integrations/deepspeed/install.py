@@ -17,12 +17,12 @@ Where DeepSpeed releases differ in one of these internals, :mod:`.variants` tell
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
-from ztriton.integrations.deepspeed import optimizers, variants, zero_init
+from ztriton.integrations.deepspeed import init_constructors, optimizers, variants, zero_init
 from ztriton.integrations.deepspeed.config import CONFIG_KEY, config_init
 from ztriton.integrations.deepspeed.state import STATE
+from ztriton.integrations.hooks import unwrap_all, wrap
 from ztriton.integrations.standaside import announce, stand_aside
 
 __all__ = ["install", "installed", "uninstall"]
@@ -64,23 +64,13 @@ def _install_all() -> None:
     _wrap(init, "__init__", zero_init.init_init)
     _wrap(init, "_post_init_method", zero_init.init_post_init_method)
     _wrap(init, "_convert_to_zero_parameters", zero_init.init_convert_to_zero_parameters)
-    _wrap(init, "_add_tensor_creation_wrappers", zero_init.init_add_tensor_creation_wrappers)
+    _wrap(init, "_add_tensor_creation_wrappers", init_constructors.init_add_tensor_creation_wrappers)
     _wrap(engine_module.DeepSpeedEngine, "_configure_zero_optimizer", optimizers.engine_configure_zero_optimizer)
     _wrap(engine_module.DeepSpeedEngine, "_do_sanity_check", optimizers.engine_do_sanity_check)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "__init__", optimizers.zero12_init)
     _wrap(stage_1_and_2.DeepSpeedZeroOptimizer, "flatten_dense_tensors_aligned", optimizers.zero12_flatten)
-    wrap_defragment = _wrap_staticmethod if STATE.variants.defragment_static else _wrap
-    wrap_defragment(STATE.variants.defragment_owner, "defragment", optimizers.stage3_defragment)
+    _wrap(STATE.variants.defragment_owner, "defragment", optimizers.stage3_defragment)
     _wrap(type(get_accelerator()), "available_memory", optimizers.accelerator_available_memory)
-
-
-def _wrap_staticmethod(owner: type, name: str, wrapper: Callable) -> None:
-    """:func:`_wrap` for a staticmethod: the wrapper stays one, and :func:`uninstall` puts back the staticmethod
-    object itself."""
-    descriptor = vars(owner)[name]
-    _wrap(owner, name, wrapper)
-    STATE.originals[(owner, name)] = (descriptor, True)
-    setattr(owner, name, staticmethod(getattr(owner, name)))
 
 
 def _install_key_reader() -> None:
@@ -99,13 +89,8 @@ def _install_key_reader() -> None:
 
 def uninstall() -> None:
     """Put DeepSpeed's functions back (tests use it to compare against an untouched DeepSpeed)."""
-    for originals in (STATE.originals, STATE.key_reader):
-        for (owner, name), (original, own) in originals.items():
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # it was inherited: let the base class's show through again
-        originals.clear()
+    unwrap_all(STATE.originals)
+    unwrap_all(STATE.key_reader)
 
 
 def installed() -> bool:
@@ -113,12 +98,4 @@ def installed() -> bool:
 
 
 def _wrap(owner: Any, name: str, wrapper: Callable, into: dict | None = None) -> None:
-    original = getattr(owner, name)
-    (STATE.originals if into is None else into)[(owner, name)] = (
-        original, not isinstance(owner, type) or name in owner.__dict__)
-
-    @functools.wraps(original)
-    def patched(*args, **kwargs):
-        return wrapper(original, *args, **kwargs)
-
-    setattr(owner, name, patched)
+    wrap(owner, name, wrapper, STATE.originals if into is None else into)

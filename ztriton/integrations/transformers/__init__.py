@@ -10,9 +10,9 @@ key is read.
 """
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any, Callable
+
+from ztriton.integrations.hooks import Originals, unwrap_all, wrap
 
 from . import internals
 
@@ -20,8 +20,8 @@ logger = logging.getLogger("ztriton")
 
 __all__ = ["install", "uninstall", "installed", "unsupported_reason"]
 
-# (owner, name) -> transformers' attribute as found in the class __dict__ (a staticmethod object stays one).
-_ORIGINALS: dict[tuple[Any, str], Any] = {}
+# What install() replaced, for uninstall() to put back.
+_ORIGINALS: Originals = {}
 
 
 def unsupported_reason() -> str | None:
@@ -56,8 +56,8 @@ def _install_all(found: internals.Internals) -> None:
     from . import patch
 
     patch.INTERNALS = found
-    _wrap(PreTrainedModel, "_load_pretrained_model", patch.load_pretrained_model, static=True)
-    _wrap(PreTrainedModel, "_initialize_missing_keys", patch.initialize_missing_keys)
+    wrap(PreTrainedModel, "_load_pretrained_model", patch.load_pretrained_model, _ORIGINALS)
+    wrap(PreTrainedModel, "_initialize_missing_keys", patch.initialize_missing_keys, _ORIGINALS)
 
 
 def _stand_aside(reason: str) -> bool:
@@ -69,22 +69,8 @@ def _stand_aside(reason: str) -> bool:
 
 def uninstall() -> None:
     """Put transformers' methods back."""
-    for (owner, name), original in reversed(list(_ORIGINALS.items())):
-        setattr(owner, name, original)
-    _ORIGINALS.clear()
+    unwrap_all(_ORIGINALS)
 
 
 def installed() -> bool:
     return bool(_ORIGINALS)
-
-
-def _wrap(owner: type, name: str, wrapper: Callable, static: bool = False) -> None:
-    raw = owner.__dict__[name]
-    original = raw.__func__ if static else raw
-
-    @functools.wraps(original)
-    def patched(*args, **kwargs):
-        return wrapper(original, *args, **kwargs)
-
-    setattr(owner, name, staticmethod(patched) if static else patched)
-    _ORIGINALS[(owner, name)] = raw

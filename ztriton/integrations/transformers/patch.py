@@ -39,6 +39,7 @@ import torch
 
 from ztriton import loading
 from ztriton.integrations.deepspeed import report as ds_report
+from ztriton.integrations.zero3_loading import tensor_target
 from ztriton.loading import Checkpoint, Target
 
 from .conversion import derive_sources
@@ -193,22 +194,12 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def _target(name: str, tensor: torch.Tensor, source) -> tuple[Target, Any]:
-    """The Target filling ``tensor`` on this rank, and what to run once it is filled.
-
-    A ZeRO-3 param gets its rank's partition (rank in the param's own partition group, as ``zero.Init`` slices
-    it); anything else (a buffer) is read whole, straight into its storage when that is contiguous."""
-    if hasattr(tensor, "ds_tensor"):
-        partition = tensor.ds_tensor
-        rank = torch.distributed.get_rank(group=tensor.ds_process_group)
-        # a rank past the end owns only padding: an empty window at the end (the loader zeroes the padding)
-        start = min(rank * partition.ds_numel, tensor.ds_numel)
-        count = min(partition.ds_numel, tensor.ds_numel - start)
-        return Target(name, source, tuple(tensor.ds_shape), partition.data.view(-1), start=start,
-                      count=count), _nothing
-    if tensor.is_contiguous():
-        return Target(name, source, tuple(tensor.shape), tensor.data.view(-1)), _nothing
-    staging = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    return Target(name, source, tuple(tensor.shape), staging), lambda: tensor.data.copy_(staging.view(tensor.shape))
+    """The Target filling ``tensor`` on this rank (a ZeRO-3 param's partition, anything else whole), and what
+    to run once it is filled."""
+    target, stand_in = tensor_target(name, tensor, source)
+    if stand_in is None:
+        return target, _nothing
+    return target, lambda: tensor.data.copy_(stand_in.view(tensor.shape))
 
 
 def _nothing() -> None:
