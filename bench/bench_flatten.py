@@ -48,7 +48,7 @@ from bench.bench_kernels import WORLD, deepspeed_flatten, llm_mix  # noqa: E402
 from bench.harness import (RESULTS, free_device_memory as free_memory, gbps, kernel_launches_skipped,  # noqa: E402
                            measure_peak, plot_ratios, time_ms, torch_copy_gbps, write_result)
 from ztriton import memory  # noqa: E402
-from ztriton.kernels import pack_plan  # noqa: E402
+from ztriton.kernels import pack_plan, state as kernel_state  # noqa: E402
 from ztriton.layout import zero12_group_layout  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -167,7 +167,9 @@ def run_method(label, method, shapes, layout, entry, reps: int, checked: bool = 
     for rep in range(1 + reps):
         params = make_params(shapes)
         headroom = None if budget is None else budget_headroom(budget)
+        launched = kernel_state.launches()
         flat, secs, peak = measure_peak(lambda: method(params, layout, shapes, headroom))
+        launches = kernel_state.launches() - launched  # the kernels' launches in this call (0: torch's copies)
         if rep == 0:
             first = secs  # the process's first call of this method (pinned memory, if any, allocated here)
             if checked:
@@ -183,9 +185,9 @@ def run_method(label, method, shapes, layout, entry, reps: int, checked: bool = 
     secs = statistics.median(s for s, _ in samples)
     peak = max(p for _, p in samples)
     entry[label] = {"seconds": secs, "first_call_seconds": first, "peak_gib": peak / GiB,
-                    "peak_over_group": peak / nbytes, "runs": len(samples)}
-    print(f"   {label:26s} {secs * 1e3:10.1f} ms  peak +{peak / GiB:6.2f} GiB ({peak / nbytes:.2f}x group; first call "
-          f"{first * 1e3:.1f} ms)", flush=True)
+                    "peak_over_group": peak / nbytes, "runs": len(samples), "launches": launches}
+    print(f"   {label:26s} {secs * 1e3:10.1f} ms  launches {launches:3d}  peak +{peak / GiB:6.2f} GiB "
+          f"({peak / nbytes:.2f}x group; first call {first * 1e3:.1f} ms)", flush=True)
 
 
 def bench_window(shapes, layout, entry, copy_bw) -> None:
@@ -394,9 +396,8 @@ def main() -> None:
                         help="keep the CUDA allocator's cache between calls (warm process); default: empty it")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; runs on the CPU too")
     parser.add_argument("--kernels-loaded", action="store_true",
-                        help="load the kernels first (a process that has launched one, e.g. with warm_up_kernels); "
-                             "by default none is loaded and jobs of up to plan.BEFORE_LOAD_PIECES contiguous pieces "
-                             "take torch copies, as in a process that only flattens")
+                        help="load the kernels' commonest variant first (warm_up, as warm_up_kernels does); the "
+                             "route is the job's either way")
     args = parser.parse_args()
     KEEP_CACHE[0] = args.keep_cache
     if args.kernels_loaded and CUDA:

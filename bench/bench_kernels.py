@@ -225,7 +225,8 @@ def kernel_variants(plans) -> set:
     for plan in plans:
         for kernel, _, args, kwargs in plan.launches:
             aligned = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
-            keys.add((getattr(kernel, "__name__", None) or kernel.fn.__name__,
+            name = kernel if isinstance(kernel, str) else getattr(kernel, "__name__", None) or kernel.fn.__name__
+            keys.add((name,
                       tuple(sorted((k, str(v)) for k, v in kwargs.items())), aligned))
     return keys
 

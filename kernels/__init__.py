@@ -4,9 +4,10 @@
   the tests' oracle. ``turns.py``: a copy into a fresh buffer, checked and copied in turns.
 * ``plan.py``: pieces -> a :class:`Plan` (``launch.py``), after every check (``checks.py``, ``validation.py``)
   of the :class:`Piece` list (``pieces.py``), by torch's route (``torch_route.py``) or the kernels' launch
-  tables (``tables.py``, ``words.py``), with a :class:`Tuning` (``tuning.py``). ``copy.py``: the jit kernels,
-  imported on the first launch (``state.py``: that, the interpreter, which devices have loaded them).
-  ``warmup.py``: their first load in a background thread.
+  tables (``tables.py``, ``words.py``, ``variants.py``), with a :class:`Tuning` (``tuning.py``). ``copy.py``: the
+  jit kernels. ``compiled.py``: each launch, from the compiled cache (``cache.py``, loaded by ``driver.py``; filled
+  by ``build.py``) or through Triton's JIT. ``state.py``: triton imported on demand, the interpreter, the launch
+  counter. ``warmup.py``: the cache's background fill, a first load in a background thread.
 * :func:`copy_chunk` -- elements ``[start, start + count)`` of any strided tensor into a contiguous one.
 * :func:`pack` -- many tensors into one flat layout at given offsets, zeros between; ``window=``
   writes only one range of that layout (one rank's partition).

@@ -1,5 +1,6 @@
-"""A planned copy and its launch (:class:`Plan`): the kernels' launches and torch's copies, on the right device
-and stream, under the interpreter's lock where it runs, after a background warm-up still loading the kernels."""
+"""A planned copy and its launch (:class:`Plan`): the kernels' launches (``compiled.py``: from the compiled cache
+or Triton's JIT) and torch's copies, on the right device and stream, under the interpreter's lock where it runs,
+after a background warm-up still loading the kernels."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import state
+from . import compiled, state
 
 __all__ = ["Plan", "launch_stream"]
 
@@ -22,7 +23,7 @@ class Plan:
     stream current at launch time, on dst's device.
     """
 
-    launches: list
+    launches: list  # (kernel name, grid, args, meta): compiled.launch's arguments
     keep_alive: list
     tables: list = field(default_factory=list)
     stream: Any = None
@@ -58,7 +59,8 @@ class Plan:
 
     def _interpreter_turn(self):
         """The interpreter's lock for a plan that launches kernels under it; a torch-only plan's turn otherwise."""
-        return state.INTERPRETER_LOCK if self.launches and state.interpreted() else state.torch_turn()
+        interpreted = self.stream is None or state.interpreter_on()  # asked without importing triton on CUDA
+        return state.INTERPRETER_LOCK if self.launches and interpreted else state.torch_turn()
 
     def copy_with_torch(self) -> None:
         """The torch part: each own copy, each ``torch.cat``, each batch's ``_foreach_copy_``, the gaps' ``zero_``
@@ -83,10 +85,9 @@ class Plan:
                 self.copy_with_torch()
         if self.launches and self.stream is not None:
             state.await_warm_up(self.stream.device)
-        for kernel, grid, args, kwargs in self.launches:
-            kernel[grid](*args, **kwargs)
-        if self.launches and self.stream is not None:
-            state.LOADED.add(self.stream.device.index)
+        stream = None if self.stream is None else torch.cuda.current_stream(self.stream.device)
+        for kernel, grid, args, meta in self.launches:
+            compiled.launch(kernel, grid, args, meta, stream)
 
 
 def launch_stream(dst: torch.Tensor):

@@ -4,14 +4,13 @@ launches it. Whether the kernels can run on a device at all (:func:`runs_on`) is
 Every copy is a list of *pieces* (elements ``[start, start + count)`` of a source's row-major flattening go to
 ``dst[offset : offset + count]``; ``docs/architecture.md``, "Vocabulary") and a list of zero ranges of ``dst``.
 All sizes are element counts and all offsets int64; nothing here knows about ZeRO. Every argument is checked
-(``validation.py``) before any byte is written. Two routes carry the copy out: torch's own copies
-(``torch_route.py``) for a few contiguous pieces, or many before the kernels are loaded, where a kernel's first
-load would cost far more than the copies; the kernels' launch tables (``tables.py``) otherwise, at most one
-launch per alignment class plus one per gather class whatever the number of tensors.
+(``validation.py``) before any byte is written. Two routes carry the copy out, chosen by the job alone (its
+pieces, strides and sizes; never by what the process ran before): torch's own copies (``torch_route.py``) for a
+few contiguous pieces; the kernels' launch tables (``tables.py``) otherwise, at most one launch per alignment
+class plus one per gather class whatever the number of tensors, each from the compiled cache (``compiled.py``).
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
@@ -28,15 +27,7 @@ from .validation import Sources, validate
 from .words import ITEMSIZES
 
 # ztriton.memory and ztriton.partitioning import runs_on from here; tests read interpreted and Piece here too.
-__all__ = ["BEFORE_LOAD_PIECES", "check_launchable", "interpreter_on", "make_plan", "run_plan", "runs_on"]
-
-# Until the kernels are loaded on a device (by the background warm-up, or by a first job that needs them),
-# contiguous pieces on it up to this many go through torch's copy_: thousands of copy_ calls still cost far
-# less host time than the load they avoid. A process whose jobs all fit (a dense model's or a fused MoE's
-# flatten and defragment: hundreds of params) never loads the kernels at all.
-BEFORE_LOAD_PIECES = 4096
-# What triton takes for "on" in TRITON_INTERPRET.
-_TRUTHY = ("1", "true", "on", "yes")
+__all__ = ["check_launchable", "interpreted", "interpreter_on", "make_plan", "run_plan", "runs_on"]
 
 
 def runs_on(device: torch.device) -> bool:
@@ -45,12 +36,8 @@ def runs_on(device: torch.device) -> bool:
 
 
 def interpreter_on() -> bool:
-    """:func:`~ztriton.kernels.state.interpreted`, without importing triton to learn a "no" the environment
-    already gives: importing the kernels while ``TRITON_INTERPRET`` reads "0" would fix that "no" for the life
-    of the process (a caller may unset it briefly)."""
-    if not state.jit_imported() and os.environ.get("TRITON_INTERPRET", "0").lower() not in _TRUTHY:
-        return False
-    return interpreted()
+    """:func:`~ztriton.kernels.state.interpreter_on`, asking this module's ``interpreted`` (tests replace it)."""
+    return state.interpreter_on(lambda: interpreted())
 
 
 def check_launchable(dst: torch.Tensor) -> None:
@@ -75,7 +62,7 @@ def make_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     srcs, zeros = validate(dst, pieces, zero_ranges, what=what)
     check_launchable(dst)
     keep_alive = [dst, *sources_of(pieces)]
-    if _torch_copies_suffice(srcs, tuning, dst.device):
+    if _torch_copies_suffice(srcs, tuning):
         return torch_copy_plan(dst, pieces, srcs, zeros, keep_alive, tuning, run_now)
     if dst.element_size() not in ITEMSIZES:
         if not dst.dtype.is_complex:
@@ -91,18 +78,14 @@ def run_plan(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[t
     make_plan(dst, pieces, zero_ranges, what=what, run_now=True).launch()
 
 
-def _torch_copies_suffice(srcs: Sources, tuning: Tuning, device: torch.device) -> bool:
-    """Whether torch's route takes the copy: contiguous pieces, a few of them (``Tuning.torch_pieces``; 0 always
-    launches the kernels), or up to ``BEFORE_LOAD_PIECES`` on dst's device while no kernel has been loaded there
-    (a copy_ per piece costs microseconds, the kernels' first load far more, whether this thread pays it or waits
-    for a background warm-up)."""
+def _torch_copies_suffice(srcs: Sources, tuning: Tuning) -> bool:
+    """Whether torch's route takes the copy: at most ``Tuning.torch_pieces`` pieces, all contiguous (0 always
+    launches the kernels). The job alone decides: a contiguous run moves at copy bandwidth either way, and a few
+    copy_ calls cost the host less than a plan's tables."""
     moving = srcs.count > 0
     if tuning.torch_pieces <= 0 or not bool(srcs.contiguous[moving].all()):
         return False
-    count = int(moving.sum())
-    # Before the load, only pieces already on the device: a copy_ from host memory blocks the host per piece.
-    return count <= tuning.torch_pieces or (count <= BEFORE_LOAD_PIECES and bool(srcs.local[moving].all())
-                                            and not state.kernels_loaded(device))
+    return int(moving.sum()) <= tuning.torch_pieces
 
 
 def _as_word_pairs(dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources, zeros: np.ndarray):

@@ -1,27 +1,32 @@
-"""Process-wide kernel state: triton imported only when a launch needs it, whether it interprets, on which
-devices the kernels are loaded, and the background warm-ups a first launch waits for.
+"""Process-wide kernel state: triton imported only when a launch needs it, whether it interprets, the kernel
+launches counted, and the background warm-ups a first launch waits for.
 
-Readers in other modules reach ``LOADED``, ``WARMING`` and :func:`kernels_loaded` through this module
-(``state.LOADED``), so that one rebinding of them (a test's) is what every reader sees.
+Readers in other modules reach ``WARMING`` and the counter through this module (``state.WARMING``), so that one
+rebinding of them (a test's) is what every reader sees.
 """
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
 
-__all__ = ["INTERPRETER_LOCK", "LOADED", "WARMING", "await_warm_up", "interpreted", "jit_imported", "jit_kernels",
-           "kernels_loaded", "torch_turn"]
+__all__ = ["INTERPRETER_LOCK", "WARMING", "await_warm_up", "count_launch", "interpreted", "interpreter_on",
+           "jit_imported", "jit_kernels", "launches", "torch_turn"]
+
+# What triton takes for "on" in TRITON_INTERPRET.
+_TRUTHY = ("1", "true", "on", "yes")
 
 
 @functools.cache
 def jit_kernels() -> SimpleNamespace:
-    """The jit kernels and triton's integer types, imported by the first plan that launches a kernel (or asks
-    whether the interpreter is on). A process whose copies all go through torch's copies never imports triton,
-    a sizeable part of a fresh process's start."""
+    """The jit kernels and triton's integer types by name, imported by the first launch that goes through
+    Triton's JIT (or asks whether the interpreter is on). A process whose launches all come from the compiled
+    cache (``compiled.py``), or whose copies all go through torch's copies, never imports triton, a sizeable
+    part of a fresh process's start."""
     import triton.language as tl
     from triton.runtime.jit import JITFunction
 
@@ -29,8 +34,7 @@ def jit_kernels() -> SimpleNamespace:
 
     return SimpleNamespace(
         copy_words=copy_words_kernel, gather_tile=gather_tile_kernel,
-        word_types={16: tl.int64, 8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8},
-        int_for_itemsize={8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8},
+        dtypes={"int64": tl.int64, "int32": tl.int32, "int16": tl.int16, "int8": tl.int8},
         # triton decides when a kernel is decorated (at its first import) whether it runs under the
         # interpreter (TRITON_INTERPRET=1); the environment variable read later could say otherwise.
         interpreted=not isinstance(copy_words_kernel, JITFunction))
@@ -39,6 +43,15 @@ def jit_kernels() -> SimpleNamespace:
 def interpreted() -> bool:
     """Whether the kernels run under Triton's interpreter (imports triton, once)."""
     return jit_kernels().interpreted
+
+
+def interpreter_on(ask=None) -> bool:
+    """:func:`interpreted` (or ``ask()``), without importing triton to learn a "no" the environment already
+    gives: importing the kernels while ``TRITON_INTERPRET`` reads "0" would fix that "no" for the life of the
+    process (a caller may unset it briefly)."""
+    if not jit_imported() and os.environ.get("TRITON_INTERPRET", "0").lower() not in _TRUTHY:
+        return False
+    return (ask or interpreted)()
 
 
 def jit_imported() -> bool:
@@ -63,16 +76,21 @@ WARMING: dict[int, threading.Thread] = {}
 # A launch waits at most this long for one (a cold compile takes seconds); then it loads the kernel itself.
 _WARM_UP_WAIT_S = 120.0
 
-# CUDA devices on which a kernel launch has returned in this process: the first launch there paid the
-# kernels' load (Triton's cache key, the cubin, the launcher: a fraction of a second with Triton's cache
-# warm, seconds with it cold), later ones do not.
-LOADED: set[int] = set()
+# Kernel launches issued by this process, however launched (compiled cache, JIT, interpreter): what a step's
+# summary line reports (read it with launches(), before and after the step).
+_launches = 0
+_count_lock = threading.Lock()
 
 
-def kernels_loaded(device: torch.device) -> bool:
-    """Whether a kernel launch on ``device`` has already paid the kernels' load (always, off CUDA: the
-    interpreter loads nothing)."""
-    return device.type != "cuda" or device.index in LOADED
+def count_launch() -> None:
+    global _launches
+    with _count_lock:
+        _launches += 1
+
+
+def launches() -> int:
+    """Kernel launches this process has issued so far."""
+    return _launches
 
 
 def await_warm_up(device: torch.device) -> None:

@@ -8,7 +8,7 @@ any number of tensors. All planning is numpy over columns: a flatten plans thous
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -17,10 +17,10 @@ from .checks import merged_dims
 from .descriptor import DESC_HEAD, MAX_DIMS
 from .launch import Plan, launch_stream
 from .pieces import Piece
-from .state import jit_kernels
 from .tuning import Tuning
 from .validation import Sources
-from .words import units, word_bytes, word_unit
+from .variants import GATHER, WORD_COPY, gather_meta, word_meta
+from .words import units, word_unit
 
 __all__ = ["kernel_plan"]
 
@@ -28,30 +28,29 @@ __all__ = ["kernel_plan"]
 class _Call(NamedTuple):
     """One launch of a plan before its table is uploaded."""
 
-    kernel: Any
+    kernel: str  # the jit kernel's name (variants.WORD_COPY, variants.GATHER)
     grid: tuple
     table: np.ndarray  # host int64: its rows, then (from ``at``) each row's first program
     at: int
     rest: tuple  # the arguments after the table's two parts
-    meta: dict  # the kernel's constexprs and launch options
+    meta: dict  # the kernel's constexprs and launch options, plain values (variants.py)
 
 
 def kernel_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources, zeros: np.ndarray, keep_alive: list,
                 tuning: Tuning) -> Plan:
-    """The plan that launches the kernels for validated ``pieces`` and ``zeros`` (imports triton, once)."""
-    jit = jit_kernels()
+    """The plan that launches the kernels for validated ``pieces`` and ``zeros`` (imports nothing: each launch
+    comes from the compiled cache or Triton's JIT, ``compiled.py``)."""
     # Kernels address dst from the start of its storage, which the allocator aligns, so that an
     # offset view of a buffer still gets 16-byte words wherever its elements allow them.
     storage = torch.empty(0, dtype=torch.uint8, device=dst.device).set_(dst.untyped_storage())
-    calls = _word_copy_calls(jit, dst, srcs, zeros, storage, tuning) + _gather_calls(jit, dst, pieces, srcs, storage,
-                                                                                     tuning)
+    calls = _word_copy_calls(dst, srcs, zeros, storage, tuning) + _gather_calls(dst, pieces, srcs, storage, tuning)
     uploaded, parts = _upload([call.table for call in calls], dst.device)
     launches = [(call.kernel, call.grid, (part, part[call.at:], *call.rest), call.meta)
                 for call, part in zip(calls, parts)]
     return Plan(launches, keep_alive, [] if uploaded is None else [uploaded], launch_stream(dst))
 
 
-def _word_copy_calls(jit, dst: torch.Tensor, srcs: Sources, zeros: np.ndarray, storage: torch.Tensor,
+def _word_copy_calls(dst: torch.Tensor, srcs: Sources, zeros: np.ndarray, storage: torch.Tensor,
                      tuning: Tuning) -> list[_Call]:
     """The word copy's launches: the contiguous pieces and the zero ranges, one launch per word class."""
     itemsize = dst.element_size()
@@ -64,10 +63,7 @@ def _word_copy_calls(jit, dst: torch.Tensor, srcs: Sources, zeros: np.ndarray, s
     )
     calls = []
     for unit, table, at, rows, programs in _word_classes(*segments, base, tuning.chunk_bytes):
-        word = word_bytes(unit)
-        calls.append(_Call(jit.copy_words, (programs,), table, at, (rows, storage), dict(
-            WORD=jit.word_types[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
-            CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)))
+        calls.append(_Call(WORD_COPY, (programs,), table, at, (rows, storage), word_meta(unit, tuning)))
     return calls
 
 
@@ -118,7 +114,7 @@ def _word_classes(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: in
     return classes
 
 
-def _gather_calls(jit, dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources, storage: torch.Tensor,
+def _gather_calls(dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources, storage: torch.Tensor,
                   tuning: Tuning) -> list[_Call]:
     """The gather's launches: the strided pieces' tiles, one launch per tile class."""
     itemsize = dst.element_size()
@@ -129,15 +125,12 @@ def _gather_calls(jit, dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources
         if tiles:
             strided.setdefault(_tile_class(desc, dst, tuning.tile_p, tuning.tile_c), []).append((desc, tiles))
     calls = []
-    for (p_unit, c_unit, src_align, dst_align, size_align, small), entries in sorted(strided.items()):
+    for tile_class, entries in sorted(strided.items()):
         first = np.zeros(len(entries) + 1, dtype=np.int64)
         np.cumsum([t for _, t in entries], out=first[1:])
         table, at = _with_first_aligned(np.array([d for d, _ in entries], dtype=np.int64).reshape(-1), first)
-        calls.append(_Call(jit.gather_tile, (int(first[-1]),), table, at, (len(entries), storage), dict(
-            WORD=jit.int_for_itemsize[itemsize], MAX_DIMS=MAX_DIMS, DESC_HEAD=DESC_HEAD, BLOCK_P=tuning.tile_p,
-            BLOCK_C=tuning.tile_c, P_UNIT=p_unit, C_UNIT=c_unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align,
-            SIZE_ALIGN=size_align, SMALL=small,
-            num_warps=tuning.tile_warps)))
+        calls.append(_Call(GATHER, (int(first[-1]),), table, at, (len(entries), storage),
+                           gather_meta(itemsize, tile_class, tuning)))
     return calls
 
 

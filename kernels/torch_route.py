@@ -1,5 +1,5 @@
 """Torch's route (:func:`torch_copy_plan`): a plan whose pieces are all contiguous, copied by torch's own calls
-instead of the kernels (``plan.py`` says when: a few pieces, or many before the kernels are loaded).
+instead of the kernels (``plan.py`` says when: a few contiguous pieces).
 
 Everything moves on integer views of the flattened tensors (the widest word every destination range is aligned
 to; bytes at worst), as the kernels see them: offsets count elements of dst's flattening whatever its shape, and

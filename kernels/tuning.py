@@ -23,9 +23,9 @@ class Tuning:
     tile_c: int = 128
     tile_warps: int = 4
     # Up to this many pieces, all contiguous, are copied by torch (and the gaps zeroed by it): a contiguous run
-    # moves at copy bandwidth either way, and torch's copy never pays a jit kernel's first load in a fresh
-    # process. Most small jobs (zero.Init's per-module partitions, loader jobs) fit; the kernels earn their keep
-    # on hundreds of pieces (flatten, defragment) and on strided sources. 0: always launch the kernels.
+    # moves at copy bandwidth either way, and a few copy_ calls cost the host less than a plan's tables. Most
+    # small jobs (zero.Init's per-module partitions, small loader jobs) fit; the kernels take every job of more
+    # pieces (flatten, defragment) and every strided source. 0: always launch the kernels.
     torch_pieces: int = 16
     # In such torch copies, a piece of at least this many bytes gets a copy_ of its own (a memcpy at copy
     # bandwidth); the others go in torch._foreach_copy_ calls per word width, cheaper on the host but slower on
@@ -35,8 +35,7 @@ class Tuning:
     # the device starts while the host still makes the next pieces' views.
     batch_pieces: int = 64
     # torch's _foreach_copy_ and _foreach_zero_ only for more pieces (gaps) than this; fewer get a copy_ (zero_)
-    # each: a process's first _foreach_copy_ loads a CUDA kernel, a copy_ is a memcpy with none to load, and
-    # torch's route runs mostly once, in a fresh process, where nothing is loaded yet.
+    # each: a process's first _foreach_copy_ loads a CUDA kernel, a copy_ is a memcpy with none to load.
     foreach_from: int = 1024
     # Runs (and gaps) that follow one another in dst, at least this many, are written by one torch.cat(out=) of
     # their sources (and zeros) instead of a copy_ / _foreach_copy_ each: one call of host time for any number

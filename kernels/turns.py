@@ -14,9 +14,9 @@ inside dst) is checked before any byte is written; each turn is checked in full 
 written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
 its index in the whole job, as a single plan's would.
 
-Turns pay only where the device has something to overlap: on the kernels' route (torch's route before the
-kernels load issues each copy as it is planned, so one plan overlaps already) and for pieces big enough that
-the device's copy of one takes longer than the host's check of the next.
+Turns pay only where the device has something to overlap: on the kernels' route (more than
+``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
+host's check of the next.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
@@ -35,7 +35,6 @@ import numpy as np
 
 import torch
 
-from . import state
 from .checks import as_zero_ranges, check_disjoint, check_dst
 from .pieces import PackPieces, Piece
 from .plan import check_launchable, make_plan, run_plan
@@ -84,7 +83,7 @@ def schedule(pieces: PackPieces) -> list[np.ndarray]:
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
     """Whether :func:`run_fresh` copies ``pieces`` in turns rather than as one plan (module docstring)."""
-    if not isinstance(pieces, PackPieces) or len(pieces) <= MIN_PIECES or not state.kernels_loaded(dst.device):
+    if not isinstance(pieces, PackPieces) or len(pieces) <= MIN_PIECES:
         return False
     moved = int(np.maximum(pieces.count, 0).sum()) * dst.element_size()
     return moved >= MIN_MEAN_BYTES * len(pieces)
@@ -125,7 +124,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
         zeros_now = zeros if t == len(each_turn) - 1 else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):
-            # The kernels always (they are loaded: worth_turns): a last turn of a few small pieces would otherwise
+            # The kernels always: a last turn of a few small pieces would otherwise
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
             make_plan(dst, rest.take(indices), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
 

@@ -1,19 +1,21 @@
-"""Load the kernels' commonest variant in a background thread, before the first real launch needs it.
+"""Getting the kernels ready before the first real launch needs them: the compiled cache's background fill, the
+commonest variant loaded in a background thread, and torch's own cat kernel.
 
-A fresh process pays for its first launch of a jit kernel even when Triton's cache holds the binary:
-Triton hashes its own sources and ``libtriton`` (the cache key, once per process), loads the cubin and
-the launcher stub, and on an empty cache compiles both: a fraction of a second with a warm cache, inside
-the user's ``deepspeed.initialize`` (``bench/NOTES.md``, "Kernels: why the tuning is what it is"). Most of it is
-hashing and file reads, which release the GIL, so a thread started when a caller first learns that
-the kernels will be needed (a DeepSpeed config with the key) overlaps it with whatever the process
-does next. The thread runs one tiny real copy through the same planning as every launch, so it loads
-exactly the variant real copies use: 16-byte words, the class of every 16-byte aligned param. Until a
-kernel is loaded on a device, copies of contiguous pieces on it go through torch's ``copy_`` instead (a few
-microseconds a piece, no waiting: ``plan.BEFORE_LOAD_PIECES``); a launch that needs the kernel (strided
-sources, thousands of pieces) waits for the thread instead of loading the kernel twice.
+A launch comes from the compiled cache (``compiled.py``) when it holds the variant: a fresh process then loads
+a binary in about a millisecond instead of paying Triton's first launch (importing triton, hashing its sources,
+building the launcher; seconds with Triton's own cache empty). :func:`fill_in_background` fills the cache: the
+first launch in a process that finds its variant missing (and so went through the JIT) starts, once per process,
+``python -m ztriton compile`` in a separate low-priority process that sees no GPU and compiles the common
+variants for this GPU's architecture, so that the next process finds them. A lock file in the cache folder lets
+one rank of a node start it; ``ZTRITON_BACKGROUND_COMPILE=0`` turns it off.
 
-:func:`load_torch_cat_in_background` does the same for torch's own cat kernel, which torch's route (the copies
-made before the copy kernel loads) launches for pieces side by side.
+:func:`warm_up_in_background` (the DeepSpeed key's ``warm_up_kernels``) runs one tiny real copy of the 16-byte
+word class in a daemon thread, through the same planning as every launch: it loads that variant from the cache,
+or compiles it through the JIT on a miss, off the caller's thread. A launch that needs a kernel meanwhile waits
+for the thread rather than loading the kernel twice. Which route a job takes never depends on it.
+
+:func:`load_torch_cat_in_background` does the same for torch's own cat kernel, which torch's route (a few
+contiguous pieces side by side) launches.
 
 The thread never picks a device on its own: creating a CUDA context on the wrong GPU would cost that
 GPU memory on every rank. The caller names the device, or the thread is not started.
@@ -22,17 +24,20 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import torch
 
-from . import plan
+from . import state
 from .ops import pack_plan
 from .state import WARMING
 from .tuning import KERNELS_ONLY
 
-__all__ = ["load_torch_cat_in_background", "warm_up", "warm_up_in_background"]
+__all__ = ["fill_in_background", "load_torch_cat_in_background", "warm_up", "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
@@ -45,15 +50,60 @@ _threads: list[threading.Thread] = []  # every warm-up started, for the wait at 
 _CAT_INPUTS = 200
 # At exit, wait at most this long for a warm-up still loading (a cold compile takes seconds).
 _EXIT_WAIT_S = 60.0
+# A fill's lock file younger than this means another process is filling that folder: start none.
+_FILL_LOCK_S = 600.0
+_fill_started = False
 
 
 def warm_up(device: torch.device, work=None) -> None:
-    """Launch the 16-byte-word copy (or ``work(device)``) once on ``device`` (a CUDA device) and wait for it."""
+    """Launch the 16-byte-word copy (or ``work(device)``) once on ``device`` (a CUDA device) and wait for it:
+    its binary is then loaded in this process (from the compiled cache, or compiled by the JIT)."""
     with torch.cuda.device(device):
         stream = torch.cuda.Stream(device)  # its own: waiting for it never waits for other threads' work
         with torch.cuda.stream(stream):
             (work or _copy_once)(device)
         stream.synchronize()
+
+
+def fill_in_background(device_index: int) -> subprocess.Popen | None:
+    """Start ``python -m ztriton compile`` for ``device_index``'s architecture in a separate process that sees no
+    GPU, once per process, unless another process holds the cache folder's fill lock (younger than
+    ``_FILL_LOCK_S``) or ``ZTRITON_BACKGROUND_COMPILE=0``. Returns the process, or None where none was started."""
+    global _fill_started
+    if _fill_started or os.environ.get("ZTRITON_BACKGROUND_COMPILE", "1").strip().lower() in ("0", "false", "off"):
+        return None
+    _fill_started = True
+    from . import cache
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    folder = cache.key_dir(major * 10 + minor)
+    if folder is None or not _take_fill_lock(folder / ".filling"):
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # compiling needs no GPU: no context, no memory taken on any of them
+    command = [sys.executable, "-m", "ztriton", "compile", "--arch", str(major * 10 + minor), "--background"]
+    try:
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        logger.debug("ztriton: could not start the compiled cache's fill (%s)", exc)
+        return None
+
+
+def _take_fill_lock(path) -> bool:
+    """Create the fill's lock file; False if a fresh one exists (another process is filling)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if time.time() - path.stat().st_mtime < _FILL_LOCK_S:
+                return False
+            path.unlink()  # stale: its filler died or finished long ago
+        except FileNotFoundError:
+            pass
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except OSError:
+        return False
 
 
 def _copy_once(device: torch.device) -> None:
@@ -67,15 +117,15 @@ def warm_up_in_background(device: torch.device | int | str) -> threading.Thread 
     """Start :func:`warm_up` on ``device`` in a daemon thread, once per device and process.
 
     Returns the thread (the one already started for this device, if any), or None where there is
-    nothing to load (not a CUDA device, or no CUDA). A failure in the thread is logged at debug level
-    and otherwise ignored: the first real launch then loads the kernel itself, as without warm-up.
+    nothing to load (not a CUDA device, or no CUDA, or the interpreter). A failure in the thread is logged at
+    debug level and otherwise ignored: the first real launch then loads the kernel itself, as without warm-up.
     """
     device = _indexed_cuda(device, "warm_up_in_background")
     if device is None:
         return None
     # The interpreter compiles nothing. Asked without importing triton where the environment says no: the
     # thread imports it, off the caller's thread.
-    if plan.interpreter_on():
+    if state.interpreter_on():
         return None
     with _lock:
         if device.index in _requested:
@@ -90,9 +140,8 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     """Load torch's cat kernel for integer words on ``device`` (an indexed CUDA device) in a daemon thread, once
     per device and process; returns the thread, or None where there is nothing to load (not CUDA).
 
-    Before the copy kernel loads, torch's route writes pieces side by side with one ``torch.cat`` over integer
-    words (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch, a noticeable part of a
-    fresh process's flatten. Started when a ZeRO optimizer begins building, the thread loads
+    Torch's route writes a few pieces side by side with one ``torch.cat`` over integer words
+    (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch. Started when a ZeRO optimizer begins building, the thread loads
     it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
     real cat then loads the kernel, as without it."""
     device = _indexed_cuda(device, "load_torch_cat_in_background")

@@ -40,10 +40,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _kernels_loaded():
-    """On a GPU, load the kernels once before any test: until a kernel is loaded on a device, jobs of up to
-    ``plan.BEFORE_LOAD_PIECES`` contiguous pieces take torch's copy_, and which tests ran first would decide
-    whether the others test the kernels at all. Tests of the unloaded state set ``plan.LOADED`` themselves.
-    Without one, import the kernels under the interpreter before any test can unset TRITON_INTERPRET."""
+    """On a GPU, load the kernels once before any test, so that no test's timing or log line depends on being the
+    first to launch one. Without one, import the kernels under the interpreter before any test can unset
+    TRITON_INTERPRET."""
     if HAS_CUDA:
         from ztriton.kernels.warmup import warm_up
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from factories import random_bits
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
-from ztriton.kernels import state, torch_route
+from ztriton.kernels import torch_route
 from ztriton.kernels import turns as turns_module
 from ztriton.kernels.pieces import PackPieces, pack_pieces, slices_to_pieces
 from ztriton.kernels.turns import FIRST_TURN, MIN_PIECES, schedule, turns
@@ -70,12 +70,9 @@ def sources_of(n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.fixture(params=["kernels", "torch_copies"])
-def route(request, monkeypatch):
-    """In turns for the kernels (CPU under the interpreter counts as loaded), or as in a process that has not
-    loaded the kernels yet: one plan of torch's copies."""
-    if request.param == "torch_copies":
-        monkeypatch.setattr(state, "kernels_loaded", lambda device: False)
+@pytest.fixture(params=["kernels"])
+def route(request):
+    """In turns for the kernels (the route is the job's alone: a job of this many pieces always takes them)."""
     return request.param
 
 
@@ -149,10 +146,10 @@ def test_schedule_takes_every_piece_once_biggest_first_ties_in_order(counts):
     assert keys == sorted(keys)
 
 
-@pytest.mark.parametrize("case", ["few pieces", "small pieces", "kernels not loaded", "not columns"])
+@pytest.mark.parametrize("case", ["few pieces", "small pieces", "not columns"])
 def test_one_plan_where_turns_do_not_pay(monkeypatch, case):
-    """Up to MIN_PIECES pieces, pieces averaging under MIN_MEAN_BYTES, a process that has not loaded the kernels
-    (torch issues each copy as it plans it), pieces that are not columns: one plan, with the same bytes."""
+    """Up to MIN_PIECES pieces, pieces averaging under MIN_MEAN_BYTES, pieces that are not columns: one plan, with
+    the same bytes."""
     made = planned_turns(monkeypatch)
     planned_once = []
     real_run_plan = turns_module.run_plan
@@ -161,8 +158,6 @@ def test_one_plan_where_turns_do_not_pay(monkeypatch, case):
     if case == "small pieces":
         numel = sum(s.numel() for s in sources)
         monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 4 * numel // len(sources) + 1)
-    if case == "kernels not loaded":
-        monkeypatch.setattr(state, "kernels_loaded", lambda device: False)
     slices = [(s, 0, s.numel(), 10 * k) for k, s in enumerate(sources)]
     if case == "not columns":
         slices[5] = (sources[5], np.int64(0), sources[5].numel(), 50)  # a numpy index: checked one piece at a time

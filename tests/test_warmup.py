@@ -2,15 +2,14 @@
 
 On the CPU: which device the integration picks (never a guess among several GPUs), that nothing starts
 without CUDA or without the key, and that one thread serves a device. On a GPU: the thread loads the
-exact variant a real 16-byte-aligned pack uses, so that pack compiles nothing more.
+exact variant a real 16-byte-aligned pack uses, so that pack loads nothing more. The route a job takes never
+depends on the warm-up (``test_compiled_cache.py``); the compiled cache's background fill is tested there too.
 """
 from __future__ import annotations
 
 import threading
-import types
 
 import pytest
-import numpy as np
 import torch
 
 from ztriton.integrations.deepspeed import config as ds_config
@@ -41,11 +40,11 @@ def fresh_warm_ups(monkeypatch):
     """CUDA faked as available and kernels that compile, with empty warm-up registries (shared by the
     launches and the warm-up, as in the library) and the exit wait recorded instead of registered: nothing a
     test starts leaks into the process. Returns the callbacks registered for the exit."""
-    from ztriton.kernels import plan, state
+    from ztriton.kernels import state
 
     registered = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(plan, "interpreted", lambda: False)  # what plan.interpreter_on asks
+    monkeypatch.setattr(state, "interpreted", lambda: False)  # what state.interpreter_on asks
     monkeypatch.setattr(warmup, "_requested", set())
     monkeypatch.setattr(warmup, "_cat_started", {})
     monkeypatch.setattr(warmup, "_threads", [])
@@ -154,65 +153,6 @@ def test_a_launch_waits_for_the_warm_up_once(monkeypatch):
     assert joined == [0.05]
 
 
-def test_until_a_kernel_is_loaded_contiguous_pieces_take_torch_copies(monkeypatch):
-    """Until a kernel launch has returned on a device (a warm-up in flight or none started), contiguous pieces on
-    it (up to BEFORE_LOAD_PIECES) go through torch's copy_ rather than pay or wait for the load; strided ones, host
-    ones and KERNELS_ONLY do not; once loaded there, the usual limit holds again, on that device only."""
-    from ztriton.kernels import KERNELS_ONLY, Tuning, plan, state
-    from ztriton.kernels.validation import Sources
-
-    monkeypatch.setattr(state, "LOADED", {3})
-    n = Tuning().torch_pieces + 1
-
-    def sources(count, contiguous=True, local=True):
-        """Facts of ``count`` pieces, built the way validate builds them, without a device."""
-        zeros, ones = np.zeros(count, np.int64), np.ones(count, np.int64)
-        return Sources(start=zeros, count=ones, offset=np.arange(count, dtype=np.int64), numel=ones, lo=zeros,
-                       hi=ones, contiguous=np.full(count, contiguous), local=np.full(count, local))
-
-    cuda2, cuda3 = torch.device("cuda", 2), torch.device("cuda", 3)
-    assert not state.kernels_loaded(cuda2) and state.kernels_loaded(cuda3)
-    assert state.kernels_loaded(torch.device("cpu"))  # the interpreter loads nothing
-    assert plan._torch_copies_suffice(sources(n), Tuning(), cuda2)
-    assert plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES), Tuning(), cuda2)
-    assert not plan._torch_copies_suffice(sources(plan.BEFORE_LOAD_PIECES + 1), Tuning(), cuda2)
-    assert not plan._torch_copies_suffice(sources(n), Tuning(), cuda3)
-    assert not plan._torch_copies_suffice(sources(n, contiguous=False), Tuning(), cuda2)
-    assert not plan._torch_copies_suffice(sources(n, local=False), Tuning(), cuda2)  # host sources: blocking copies
-    assert not plan._torch_copies_suffice(sources(2), KERNELS_ONLY, cuda2)
-    assert plan._torch_copies_suffice(sources(n - 1), Tuning(), cuda3)
-    assert not plan._torch_copies_suffice(sources(n), Tuning(), torch.device("cpu"))
-
-
-def test_a_kernel_launch_marks_its_device_loaded(monkeypatch):
-    """The launch that loaded the kernels marks the device; torch copies and the interpreter's launches mark nothing."""
-    from ztriton.kernels import Plan, state
-
-    monkeypatch.setattr(state, "LOADED", set())
-    monkeypatch.setattr(state, "await_warm_up", lambda device: None)
-    launched = []
-    fake_stream = types.SimpleNamespace(device=torch.device("cuda", 5))
-    copies_only = Plan([], [], [], fake_stream, copies=[], fills=[])
-    copies_only._launch_all()
-    assert state.LOADED == set()
-    with_kernel = Plan([(_Launcher(launched), (1,), (), {})], [], [], fake_stream)
-    with_kernel._launch_all()
-    assert launched == [(1,)] and state.LOADED == {5}
-    interpreted = Plan([(_Launcher(launched), (2,), (), {})], [], [], None)
-    interpreted._launch_all()
-    assert state.LOADED == {5}
-
-
-class _Launcher:
-    """Stands for a jit kernel: ``kernel[grid](*args)`` records the grid."""
-
-    def __init__(self, launched):
-        self.launched = launched
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launched.append(grid)
-
-
 def test_the_warm_up_thread_is_not_its_own_warm_up(monkeypatch):
     from ztriton.kernels import state
 
@@ -285,103 +225,52 @@ def test_gpu_torch_cat_load_runs_on_the_device(caplog):
 
 
 GPU_CHECK = """
+import sys
 import torch
-from ztriton.kernels import Tuning, pack_plan, warmup
-from ztriton.kernels.copy import copy_words_kernel
+from ztriton.kernels import Tuning, compiled, pack_plan, warmup
+
+
+def loaded():  # variants loaded so far: from the compiled cache, or compiled by the JIT (by specialisation)
+    jit = 0
+    if "ztriton.kernels.copy" in sys.modules:
+        from ztriton.kernels.copy import copy_words_kernel
+        jit = len(copy_words_kernel.device_caches[0][0])
+    return len(compiled.loaded_variants()) + jit
+
+
 device = torch.device("cuda", 0)
-assert len(copy_words_kernel.device_caches[0][0]) == 0, "a fresh process has loaded nothing yet"
+assert loaded() == 0, "a fresh process has loaded nothing yet"
 warmup.warm_up_in_background(device).join(120)
-loaded = len(copy_words_kernel.device_caches[0][0])  # triton keeps compiled kernels by specialisation
-assert loaded == 1, loaded
+assert loaded() == 1, loaded()
 sources = [torch.randn(4096, 64, device=device).to(torch.bfloat16) for _ in range(3)]
 flat = torch.full((3 * 4096 * 64 + 64,), float("nan"), dtype=torch.bfloat16, device=device)
 pack_plan(flat, sources, [0, 4096 * 64, 2 * 4096 * 64], tuning=Tuning(torch_pieces=0)).launch()
 assert torch.equal(flat[:4096 * 64].view(4096, 64), sources[0])
-assert len(copy_words_kernel.device_caches[0][0]) == loaded, "the real pack needed another variant"
+assert loaded() == 1, "the real pack needed another variant"
+assert sys.argv[-1] != "cached" or "triton" not in sys.modules, "launched from the cache, triton not imported"
 print("OK")
 """
 
 
 @pytest.mark.gpu
-def test_gpu_warm_up_loads_the_variant_a_real_pack_uses():
+@pytest.mark.parametrize("cache", ["empty", "filled"])
+def test_gpu_warm_up_loads_the_variant_a_real_pack_uses(tmp_path, cache):
     """In a fresh process (the suite's earlier GPU tests load the kernels themselves): the thread loads one
-    variant, and a 16-byte-aligned bf16 pack then finds its kernel loaded (no new variant)."""
+    variant (compiled by the JIT with the compiled cache empty, from the cache once a first process filled it),
+    and a 16-byte-aligned bf16 pack then finds its kernel loaded (no new variant)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    env.update(ZTRITON_CACHE_DIR=str(tmp_path), ZTRITON_BACKGROUND_COMPILE="0")
+    if cache == "filled":  # a first process stores the variant its JIT compiled
+        first = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True, env=env,
+                               timeout=300)
+        assert first.returncode == 0, first.stdout + first.stderr
+    out = subprocess.run([sys.executable, "-c", GPU_CHECK, "cached" if cache == "filled" else "jit"],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
-
-
-GPU_UNLOADED = """
-import sys
-import torch
-from ztriton.kernels import pack_plan, state
-device = torch.device("cuda", 0)
-sources = [torch.randn(1000 + i, device=device).to(torch.bfloat16) for i in range(600)]
-offsets, at = [], 0
-for s in sources:
-    offsets.append(at)
-    at += s.numel() + 8
-flat = torch.full((at,), float("nan"), dtype=torch.bfloat16, device=device)
-job = pack_plan(flat, sources, offsets)
-assert job.torch_copies and not job.launches, "600 contiguous pieces before any load: torch copies"
-job.launch()
-for s, o in zip(sources, offsets):
-    assert torch.equal(flat[o:o + s.numel()].view(torch.int16), s.view(torch.int16))
-    assert torch.equal(flat[o + s.numel():o + s.numel() + 8].view(torch.int16), torch.zeros(8, dtype=torch.int16, device=device))
-assert "triton" not in sys.modules and state.LOADED == set(), "nothing loaded, triton not even imported"
-from ztriton.kernels.copy import copy_words_kernel, gather_tile_kernel
-assert len(copy_words_kernel.device_caches[0][0]) == 0
-square = torch.randn(64, 64, device=device).to(torch.bfloat16)
-out = torch.empty(64 * 64, dtype=torch.bfloat16, device=device)
-pack_plan(out, [square.t()], [0]).launch()  # a strided source needs the kernel: it loads now
-assert torch.equal(out.view(64, 64), square.t().contiguous())
-assert state.LOADED == {0} and len(gather_tile_kernel.device_caches[0][0]) == 1
-print("OK")
-"""
-
-
-@pytest.mark.gpu
-def test_gpu_fresh_process_takes_torch_copies_until_a_job_needs_the_kernel():
-    """No warm-up and no kernel loaded: a 600-piece pack goes through torch's copy_ and loads nothing, not even
-    triton (a dense model's flatten never pays for them); a strided source then loads the kernel and marks the
-    device."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", GPU_UNLOADED], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
-
-
-@pytest.mark.gpu
-def test_gpu_pack_during_a_warm_up_writes_the_kernels_bytes(monkeypatch):
-    """A 40-piece pack while a warm-up is (made to look) in flight: torch's copies, no launch, no wait,
-    and the same bytes as the kernels write."""
-    from ztriton.kernels import Tuning, bits, pack_plan, state
-
-    gate = threading.Event()
-    thread = threading.Thread(target=lambda: gate.wait(30), daemon=True)
-    thread.start()
-    device = torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setattr(state, "WARMING", {device.index: thread})
-    monkeypatch.setattr(state, "LOADED", set())  # the suite loaded the kernels first (conftest)
-    sources = [torch.randn(37 + i, device=device).to(torch.bfloat16) for i in range(40)]
-    offsets = np.cumsum([0] + [s.numel() + 3 for s in sources[:-1]]).tolist()
-    end = offsets[-1] + sources[-1].numel() + 5
-    ours, kernels = (torch.full((end,), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(2))
-    during = pack_plan(ours, sources, offsets)
-    assert during.torch_copies and not during.launches
-    during.launch()
-    assert thread.is_alive(), "the pack waited for the warm-up"
-    gate.set()
-    thread.join(30)
-    pack_plan(kernels, sources, offsets, tuning=Tuning(torch_pieces=0)).launch()
-    assert torch.equal(bits(ours), bits(kernels))
 
 
 def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):

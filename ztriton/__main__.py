@@ -24,11 +24,18 @@ def _parse(argv):
                       help="also write the table, with the versions and device it ran on, to this JSON file")
     demo.add_argument("--verbose", action="store_true",
                       help="also print ztriton's per-call lines (path, tier, memory figures) as each step runs")
+    from ztriton import compile as compile_command
+
+    compile_command.add_parser(sub)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "compile":
+        from ztriton import compile as compile_command
+
+        return compile_command.run(args)
     import torch
 
     if args.world_size < 1:

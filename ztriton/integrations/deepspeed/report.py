@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,23 @@ __all__ = ["StreamClock", "banner", "format_seconds", "progress", "step_summary"
            "timed_on_stream", "warn_once"]
 
 _said: set[str] = set()  # banners and warnings already logged by this process
+# Kernel launches per step: the count at this thread's last summary line, and a timed step's own count.
+_steps = threading.local()
+
+
+def _launches() -> int:
+    """Kernel launches this process has issued (``ztriton.kernels.state``; importing it imports no triton)."""
+    from ztriton.kernels import state
+
+    return state.launches()
+
+
+def _route(launches: int | None) -> str:
+    """The summary's route field: ``route=triton, launches=N`` where kernels ran, ``route=torch`` otherwise."""
+    if launches is None:
+        at = getattr(_steps, "last_line", 0)
+        launches = _launches() - at
+    return f"route=triton, launches={launches}" if launches > 0 else "route=torch"
 
 
 def _is_rank0() -> bool:
@@ -95,18 +113,24 @@ def format_seconds(seconds: float) -> str:
 
 
 def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float | None, peak_bytes: int | None,
-                 where: tuple[str, int, str] | None = None, **extra: Any) -> str:
+                 where: tuple[str, int, str] | None = None, launches: int | None = None, **extra: Any) -> str:
     """One INFO line on rank 0 for one step of work: what moved (``step``), the tier or path it took, how
     many bytes, how long (None: not known), the peak device memory above the step's start (None: not measured,
-    e.g. on the CPU), then ``extra`` as ``key=value``. Returns the line (also off rank 0), for callers that keep it.
-    The line names its caller as where it comes from, or ``where`` (a line said later: :func:`summary_later`)."""
+    e.g. on the CPU), the route (``route=triton, launches=N`` or ``route=torch``), then ``extra`` as
+    ``key=value``. Returns the line (also off rank 0), for callers that keep it. The line names its caller as where
+    it comes from, or ``where`` (a line said later: :func:`summary_later`).
+
+    ``launches``: the step's kernel launches; by default those of the last :func:`timed` step on this thread,
+    else every launch since this thread's previous line."""
     tier = getattr(tier, "value", tier)  # an enum (ztriton.policy.Tier) reads as its name
     rate = f" ({nbytes / seconds / 1e9:.2f} GB/s)" if seconds and nbytes else ""
     took = "n/a" if seconds is None else format_seconds(seconds)
     peak = "n/a" if peak_bytes is None else format_bytes(peak_bytes)
+    route = _route(getattr(_steps, "timed", None) if launches is None else launches)
+    _steps.timed, _steps.last_line = None, _launches()
     details = "".join(f", {key}={value}" for key, value in extra.items())
     line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {took}{rate}, "
-            f"peak device {peak}{details}")
+            f"peak device {peak}, {route}{details}")
     if _is_rank0():
         _emit(logging.INFO, line, stacklevel=2, where=where)
     return line
@@ -121,7 +145,7 @@ def summary_later(step: str, clock: StreamClock, **fields: Any) -> Callable[[], 
 
     def say() -> None:
         try:
-            step_summary(step, seconds=clock.seconds(), where=where, **fields)
+            step_summary(step, seconds=clock.seconds(), where=where, launches=clock.launches, **fields)
         except Exception as exc:  # noqa: BLE001 -- see the docstring
             logging.getLogger("ztriton").debug("ztriton: the line of %r could not be logged (%s)", step, exc)
 
@@ -131,10 +155,13 @@ def summary_later(step: str, clock: StreamClock, **fields: Any) -> Callable[[], 
 def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
     """``work()``, its wall seconds (device synchronised) and the peak device memory it added above what
     was allocated at its start (None without CUDA: not measured). Peak statistics are reset, as DeepSpeed's
-    own ``see_memory_usage`` resets them between its steps."""
+    own ``see_memory_usage`` resets them between its steps. The kernel launches it issued go to the next
+    :func:`step_summary` on this thread."""
     import torch
 
+    before = _launches()
     out, seconds, peak = measure_peak(work)
+    _steps.timed = _launches() - before
     return out, seconds, peak if torch.cuda.is_available() else None
 
 
@@ -155,11 +182,13 @@ class StreamClock:
             self._events[0].record(torch.cuda.current_stream(device))
             self._device = device
         self._start, self._host = time.perf_counter(), None
+        self._launched_before, self.launches = _launches(), None
 
     def stop(self) -> None:
         import torch
 
         self._host = time.perf_counter() - self._start
+        self.launches = _launches() - self._launched_before  # kernel launches issued by the work
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self._device))
 
