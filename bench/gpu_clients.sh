@@ -19,7 +19,7 @@ import hf_models
 hf_models.save_checkpoint("mixtral", Path(sys.argv[1]) / "mixtral", intermediate_size=16)
 PY
 cd examples
-for stage in 3 2; do
+for stage in ${STAGES:-3 2}; do
   python3 -c "import json, sys; c = json.load(open('ds_zero$stage.json')); c.pop('partition_backend'); json.dump(c, open(sys.argv[1], 'w'))" "$work/off_zero$stage.json"
   for key in on off; do
     config=ds_zero$stage.json; [ "$key" = off ] && config=$work/off_zero$stage.json
