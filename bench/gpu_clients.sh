@@ -29,6 +29,6 @@ for stage in ${STAGES:-3 2}; do
       "$work/out_${stage}_$key" --deepspeed "$config" > "$log" 2>&1
     echo "=== Trainer ZeRO-$stage key $key: exit $? after $((SECONDS - start)) s"
     grep "ztriton" "$log" | cut -c1-220
-    grep -oE "'loss': [0-9.]+" "$log" | xargs
+    grep -oE "'loss': '?[0-9.]+" "$log" | tr -d "'" | xargs
   done
 done
