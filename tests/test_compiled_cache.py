@@ -270,8 +270,10 @@ def test_compile_command_argument_errors(capsys, argv, message):
 def test_compile_command_needs_an_arch_without_a_gpu(capsys):
     from ztriton.__main__ import main
 
-    assert main(["compile"]) == 2
+    before = dict(os.environ)
+    assert main(["compile", "--cache-dir", "/nonexistent/ztriton-test"]) == 2
     assert "name the architecture with --arch" in capsys.readouterr().err
+    assert dict(os.environ) == before  # the interpreter setting and cache folder of the caller's process stay
 
 
 def test_compile_for_sm90_without_a_gpu(cache_dir):

@@ -172,14 +172,19 @@ def test_banner_and_summary_show_at_deepspeeds_default_level_once_on_rank0(deeps
     def emit():
         report.banner("the thing went through ztriton")
         report.banner("the thing went through ztriton")
-        return report.step_summary("a step", tier="device", nbytes=3 << 20, seconds=0.5, peak_bytes=1 << 30, params=7)
+        return report.step_summary("a step", tier="device", nbytes=3 << 20, seconds=0.5, peak_bytes=1 << 30,
+                                   launches=0, params=7)
 
     line = emit()
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2, out
     assert out[0].endswith("ztriton: the thing went through ztriton") and "[INFO] [test_startup.py:" in out[0]
     assert out[1].endswith(line) and "[INFO] [test_startup.py:" in out[1]
-    assert line == ("ztriton: a step: tier=device, 3.0 MiB in 500.0 ms (0.01 GB/s), peak device 1.00 GiB, params=7")
+    assert line == ("ztriton: a step: tier=device, 3.0 MiB in 500.0 ms (0.01 GB/s), peak device 1.00 GiB, "
+                    "route=torch, params=7")
+    assert "peak device 1.00 GiB, route=triton, launches=3, params=7" in report.step_summary(
+        "a step", tier="device", nbytes=3 << 20, seconds=0.5, peak_bytes=1 << 30, launches=3, params=7)
+    capsys.readouterr()
 
     report._said.clear()
     with fake_world(2, 1):  # rank 1: nothing

@@ -43,9 +43,23 @@ def run(args) -> int:
         print(f"{prog}: --arch takes a compute capability as major*10+minor (e.g. 80, 90), got {bad[0]}",
               file=sys.stderr)
         return 2
+    # The compile needs the real compiler (not the interpreter) and the cache folder asked for; both only for
+    # this command: a caller's process (a test's) keeps its own environment.
+    saved = {name: os.environ.get(name) for name in ("ZTRITON_CACHE_DIR", "TRITON_INTERPRET")}
     if args.cache_dir:
         os.environ["ZTRITON_CACHE_DIR"] = args.cache_dir
     os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        return _compile(args, prog)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _compile(args, prog: str) -> int:
     archs = args.arch or _this_gpu(prog)
     if archs is None:
         return 2
