@@ -186,8 +186,7 @@ class _CopyRuns:
 
     def views(self, r: int, into: torch.Tensor | None, words: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``r``'s source bytes and ``into`` (its part of dst; None: not wanted), both as ``words``."""
-        src = self.sources[r]
-        view = src if src.dim() == 1 else src.view(-1)
+        view = row_major_1d(self.sources[r])
         unit = words.itemsize
         if not self.alone[r]:
             view = view.view(torch.uint8).as_strided((int(self.nbytes[r]),), (1,), int(self.first[r]))
@@ -207,8 +206,7 @@ class _CopyRuns:
         views = {}
         for r, is_plain in zip(joined.tolist(), plain):
             if is_plain:
-                src = self.sources[r]
-                view = src if src.dim() == 1 else src.view(-1)
+                view = row_major_1d(self.sources[r])
                 views[r] = view if view.dtype == words else view.view(words)
             else:
                 views[r] = self.views(r, None, words if aligned[r] else torch.uint8)[0]
@@ -274,4 +272,10 @@ def _cut(out: torch.Tensor, pieces: list[tuple[int, int]], gaps: list[tuple[int,
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A dense tensor's elements, row-major, as a flat uint8 view (no copy). Its callers make it under
     ``torch.no_grad``: a tensor that requires grad then gets no autograd view bookkeeping."""
-    return t.reshape(-1).view(torch.uint8)
+    return row_major_1d(t).view(torch.uint8)
+
+
+def row_major_1d(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a 1-d view of stride 1 (no copy). torch calls a tensor contiguous whatever the
+    strides of its size-1 dims (a 1-element slice of stride 3 is one), and a dtype view needs stride 1."""
+    return t if t.dim() == 1 and t.stride(0) == 1 else t.as_strided((t.numel(),), (1,))

@@ -1043,3 +1043,26 @@ def test_torch_copies_join_only_sources_on_dsts_device(monkeypatch, cat_calls):
     assert cats == []
     make_plan(by_kernels, pieces, tuning=Tuning(torch_pieces=0)).launch()
     assert torch.equal(bits(by_torch), bits(by_kernels))
+
+
+def _odd_stride_views(dtype):
+    """Tensors torch calls contiguous whose strides are not a new tensor's: 1-element slices, size-1 dims."""
+    base = random_tensor((64,), dtype, torch.Generator().manual_seed(31))
+    return [base[3::2][:1], base.view(8, 8)[:, :1][5:6], base.view(4, 16)[1:2, 2:9], base[40:41].view(1, 1, 1),
+            base.as_strided((1, 3), (7, 1), 20)]
+
+
+@pytest.mark.parametrize("route", ["kernels", "torch_copies"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_pack_takes_contiguous_tensors_with_odd_strides_on_size_one_dims(route, dtype):
+    """Sources and a destination that are contiguous by torch's rule but not of stride 1 (a dtype view of them
+    fails): the same bytes as the reference, on both routes."""
+    sources = _odd_stride_views(dtype)
+    assert all(s.is_contiguous() for s in sources)
+    offsets = [0, 2, 5, 13, 16]
+    want = torch_pack(poisoned(24, dtype), sources, offsets)
+    assert torch.equal(bits(pack(poisoned(24, dtype), sources, offsets)), bits(want))
+    dst = poisoned(72, dtype)[7::3][:1]  # one element, stride 3
+    assert dst.is_contiguous() and dst.stride() == (3,)
+    pack(dst, [sources[0]], [0])
+    assert torch.equal(bits(dst), bits(sources[0]))
