@@ -42,7 +42,7 @@ class Plan:
     def launch(self) -> None:
         """Run the plan on the current stream of dst's device (CPU: under the interpreter)."""
         if self.stream is None:  # CPU, under the interpreter
-            with self._interpreter_turn():
+            with self._interpreter_lock():
                 self._launch_all()
             return
         device = self.stream.device
@@ -54,13 +54,13 @@ class Plan:
                 current.wait_stream(self.stream)
                 for table in self.tables:
                     table.record_stream(current)
-            with self._interpreter_turn():
+            with self._interpreter_lock():
                 self._launch_all()
 
-    def _interpreter_turn(self):
-        """The interpreter's lock for a plan that launches kernels under it; a torch-only plan's turn otherwise."""
+    def _interpreter_lock(self):
+        """The interpreter's lock for a plan that launches kernels under it; the torch copies' lock otherwise."""
         interpreted = self.stream is None or state.interpreter_on()  # asked without importing triton on CUDA
-        return state.INTERPRETER_LOCK if self.launches and interpreted else state.torch_turn()
+        return state.INTERPRETER_LOCK if self.launches and interpreted else state.torch_copies_lock()
 
     def copy_with_torch(self) -> None:
         """The torch part: each own copy, each ``torch.cat``, each batch's ``_foreach_copy_``, the gaps' ``zero_``

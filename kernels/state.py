@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 __all__ = ["INTERPRETER_LOCK", "WARMING", "await_warm_up", "count_launch", "interpreted", "interpreter_on",
-           "jit_imported", "jit_kernels", "launches", "torch_turn"]
+           "jit_imported", "jit_kernels", "launches", "torch_copies_lock"]
 
 # What triton takes for "on" in TRITON_INTERPRET.
 _TRUTHY = ("1", "true", "on", "yes")
@@ -60,11 +60,11 @@ def jit_imported() -> bool:
 
 
 # The interpreter patches triton.language module-wide during a launch: two launches at once from two
-# threads would undo each other's patches. Launches under it take turns.
+# threads would undo each other's patches. Launches under it hold a lock.
 INTERPRETER_LOCK = threading.Lock()
 
 
-def torch_turn():
+def torch_copies_lock():
     """The interpreter's lock for torch's copies once kernels may run under it (a launch on CUDA tensors copies
     dst's whole storage to the host and back: torch's copies beside it would be lost); nothing where triton is not
     even imported yet, since then no kernel can be running."""

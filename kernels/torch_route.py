@@ -21,7 +21,7 @@ import torch
 
 from .launch import Plan, launch_stream
 from .pieces import Piece, sources_of
-from .state import torch_turn
+from .state import torch_copies_lock
 from .tuning import Tuning
 from .validation import Sources
 from .words import INT_OF_WIDTH, common_word
@@ -36,7 +36,7 @@ def torch_copy_plan(dst: torch.Tensor, pieces: Sequence[Piece], srcs: Sources, z
     width are ready), so the device starts while the host makes the rest; nothing is left to launch."""
     route = _route(dst, pieces, srcs, zeros, tuning)
     runs, word, words = route.runs, route.word, route.words
-    with torch_turn() if run_now else nullcontext(), torch.no_grad():
+    with torch_copies_lock() if run_now else nullcontext(), torch.no_grad():
         out = flat_bytes(dst).view(words)
         # dst's views only for what is copied or zeroed alone: a cat writes one view of its whole span.
         outs = _cut(out, list(zip((runs.offset[route.alone_runs] // word).tolist(),

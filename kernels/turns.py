@@ -38,7 +38,7 @@ import torch
 from .checks import as_zero_ranges, check_disjoint, check_dst
 from .pieces import PackPieces, Piece
 from .plan import check_launchable, make_plan, run_plan
-from .state import torch_turn
+from .state import torch_copies_lock
 from .torch_route import flat_bytes
 from .tuning import KERNELS_ONLY
 from .validation import validate
@@ -173,7 +173,7 @@ def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None
     dtype (bits move unchanged), issued on the current stream as the plans after it are."""
     itemsize = dst.element_size()
     inference = dst.is_inference() and not torch.is_inference_mode_enabled()
-    with torch_turn(), torch.inference_mode() if inference else torch.no_grad():
+    with torch_copies_lock(), torch.inference_mode() if inference else torch.no_grad():
         out = flat_bytes(dst)
         for i in first.tolist():
             start, count, offset = int(pieces.start[i]) * itemsize, int(pieces.count[i]) * itemsize, \
