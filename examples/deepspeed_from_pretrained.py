@@ -41,3 +41,6 @@ for step in range(steps):
     if rank == 0:
         print(f"step {step + 1}: loss {loss.item()!r}")
 engine.save_checkpoint(cli.output_dir)  # the ZeRO checkpoint; zero_to_fp32 makes a plain state dict of it
+
+# Release the process group before exit: gloo's worker threads outliving it abort the process at shutdown.
+deepspeed.comm.destroy_process_group()

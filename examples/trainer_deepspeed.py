@@ -32,3 +32,7 @@ dataset = [{"input_ids": row, "labels": row} for row in tokens]
 trainer = Trainer(model=model, args=args, train_dataset=dataset)
 trainer.train(resume_from_checkpoint=cli.resume)
 trainer.save_model()
+
+# Release the process group before exit: gloo's worker threads outliving it abort the process at shutdown.
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
