@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from ztriton.environment import environment
+
 
 def add_parser(sub) -> None:
     """The ``compile`` sub-command's arguments, on ``python -m ztriton``'s sub-parsers."""
@@ -45,18 +47,9 @@ def run(args) -> int:
         return 2
     # The compile needs the real compiler (not the interpreter) and the cache folder asked for; both only for
     # this command: a caller's process (a test's) keeps its own environment.
-    saved = {name: os.environ.get(name) for name in ("ZTRITON_CACHE_DIR", "TRITON_INTERPRET")}
-    if args.cache_dir:
-        os.environ["ZTRITON_CACHE_DIR"] = args.cache_dir
-    os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    with environment({"ZTRITON_CACHE_DIR": args.cache_dir or os.environ.get("ZTRITON_CACHE_DIR"),
+                      "TRITON_INTERPRET": None}):
         return _compile(args, prog)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _compile(args, prog: str) -> int:

@@ -60,25 +60,22 @@ def _check_parts(kind: str, parts: object, dim: object) -> tuple:
 
 
 @dataclass(frozen=True)
-class Stack:
+class _Joined:
+    """Parts of one shape (but along ``dim`` for a concat) joined along ``dim``; checked on construction."""
+
+    parts: tuple
+    dim: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "parts", _check_parts(type(self).__name__, self.parts, self.dim))
+
+
+class Stack(_Joined):
     """``torch.stack(parts, dim)``: parts of one shape, along a new dim."""
 
-    parts: tuple
-    dim: int = 0
 
-    def __post_init__(self):
-        object.__setattr__(self, "parts", _check_parts("Stack", self.parts, self.dim))
-
-
-@dataclass(frozen=True)
-class Concat:
+class Concat(_Joined):
     """``torch.cat(parts, dim)``: parts of one shape except along ``dim``."""
-
-    parts: tuple
-    dim: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "parts", _check_parts("Concat", self.parts, self.dim))
 
 
 Source = Union[Key, Stack, Concat]

@@ -64,8 +64,15 @@ class RandomOp:
         return f"{_name(self.func)}{self.args}"
 
 
+class _SameWhole:
+    """An op that reads no generator: the whole tensor runs it as a window does."""
+
+    def run_full(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.run(tensor)
+
+
 @dataclass(frozen=True)
-class FillOp:
+class FillOp(_SameWhole):
     func: Any
     args: tuple
     kwargs: dict
@@ -77,8 +84,6 @@ class FillOp:
         self.func(tensor, *self.args, **self.kwargs)
         return tensor
 
-    run_full = run
-
     def describe(self) -> str:
         return f"{_name(self.func)}{self.args}"
 
@@ -89,14 +94,12 @@ class PointwiseOp(FillOp):
 
 
 @dataclass(frozen=True)
-class CastOp:
+class CastOp(_SameWhole):
     dtype: torch.dtype
     overwrites = False
 
     def run(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.dtype)
-
-    run_full = run
 
     def describe(self) -> str:
         return f"to({self.dtype})"

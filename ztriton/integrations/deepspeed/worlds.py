@@ -8,28 +8,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
-import os
 import sys
 from typing import Iterator
 
 import torch
 
+from ztriton.environment import environment
+
 __all__ = ["deepspeed_world", "environment", "rank_environment", "simulated_world", "teardown_world"]
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration, then restore the previous values (or absence)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 @contextlib.contextmanager
