@@ -3,6 +3,8 @@
 # and ZeRO-2, key on (the recipe's config) and key off (the same without "partition_backend"), on a tiny Mixtral
 # that tests/hf_models.py writes. ztriton is pip-installed first so that its start-up hook (not an import in the
 # script) turns the key on, as for a user. Prints each run's ztriton lines and losses; logs go to OUT_DIR.
+# STAGES (default "3 2") picks the ZeRO stages; EXPERTS the Mixtral's experts (default 4: each loaded tensor is a
+# job of at most 8 pieces; 16 makes the fused expert tensors jobs of 32 and 16 pieces, the kernels' route).
 #
 #   bash bench/gpu_clients.sh OUT_DIR
 set -uo pipefail
@@ -12,11 +14,12 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index . > "$out/in
   || { echo "pip install . failed:"; tail -20 "$out/install.log"; exit 1; }
 work=$(mktemp -d)
 python3 - "$work" <<'PY'
-import sys
+import os, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 import hf_models
-hf_models.save_checkpoint("mixtral", Path(sys.argv[1]) / "mixtral", intermediate_size=16)
+experts = {"num_local_experts": int(os.environ["EXPERTS"])} if os.environ.get("EXPERTS") else {}
+hf_models.save_checkpoint("mixtral", Path(sys.argv[1]) / "mixtral", intermediate_size=16, **experts)
 PY
 cd examples
 for stage in ${STAGES:-3 2}; do
