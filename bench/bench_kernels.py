@@ -55,7 +55,7 @@ def deepspeed_flatten(params, layout):
     return ds_flatten([params[i] for i in layout.order], layout.paddings, 2 * WORLD)
 
 
-WORD_SWEEP = [Tuning(step_bytes=step, chunk_bytes=chunk, num_warps=warps, torch_pieces=0)
+WORD_SWEEP = [Tuning(step_bytes=step, program_bytes=chunk, num_warps=warps, torch_pieces=0)
               for step, chunk in [(8 << 10, 16 << 10), (16 << 10, 16 << 10), (16 << 10, 32 << 10),
                                   (32 << 10, 32 << 10), (32 << 10, 64 << 10), (64 << 10, 64 << 10),
                                   (32 << 10, 128 << 10)]

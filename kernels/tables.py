@@ -62,7 +62,7 @@ def _word_copy_calls(dst: torch.Tensor, srcs: Sources, zeros: np.ndarray, storag
         np.concatenate([srcs.count[dense], zeros[:, 1]]) * itemsize,
     )
     calls = []
-    for unit, table, at, rows, programs in _word_classes(*segments, base, tuning.chunk_bytes):
+    for unit, table, at, rows, programs in _word_classes(*segments, base, tuning.program_bytes):
         calls.append(_Call(WORD_COPY, (programs,), table, at, (rows, storage), word_meta(unit, tuning)))
     return calls
 
@@ -77,7 +77,7 @@ class _WordClass(NamedTuple):
     programs: int
 
 
-def _word_classes(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: int, chunk_bytes: int
+def _word_classes(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: int, program_bytes: int
                   ) -> list[_WordClass]:
     """Byte segments ``(src, dst, nbytes)`` as launches of one word class each, narrowest class first.
 
@@ -101,7 +101,7 @@ def _word_classes(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, base: in
     unit, s, d, length = unit[live], s[live], d[live], length[live]
     word = np.where(unit == 16, 8, unit)  # 16-byte words travel as pairs of int64
     words = length // word
-    chunks = -(-words // (chunk_bytes // word))
+    chunks = -(-words // (program_bytes // word))  # programs per segment
     rows = np.stack([s, (d - base) // word, words], axis=1)
     first = np.concatenate([[0], np.cumsum(chunks)])
     cuts = [0, *(np.flatnonzero(unit[1:] != unit[:-1]) + 1).tolist(), len(unit)]

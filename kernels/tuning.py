@@ -10,13 +10,14 @@ __all__ = ["KERNELS_ONLY", "Tuning"]
 
 @dataclass(frozen=True)
 class Tuning:
-    """Launch parameters: bytes a word-copy program moves per loop step and in all, its warps and
-    whether it streams; the gather's tile (elements along dim p and along the last dim), its warps."""
+    """Launch parameters: bytes a word-copy program moves per loop step (``step_bytes``) and in all
+    (``program_bytes``), its warps and whether it streams; the gather's tile (elements along dim p and along
+    the last dim), its warps."""
 
     # The best worst case on an H200 over a large copy, a pack of thousands of tensors, its window and the LLM
     # mix; square tiles for a transposed source.
     step_bytes: int = 32 * 1024
-    chunk_bytes: int = 32 * 1024
+    program_bytes: int = 32 * 1024
     num_warps: int = 2
     stream: bool = False
     tile_p: int = 128

@@ -28,7 +28,7 @@ def word_meta(unit: int, tuning: Tuning) -> dict[str, Any]:
     """The word copy's meta for words of ``unit`` bytes."""
     word = word_bytes(unit)
     return dict(WORD=_INT_NAME[unit], VEC=unit // word, BLOCK=tuning.step_bytes // word,
-                CHUNK=tuning.chunk_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)
+                CHUNK=tuning.program_bytes // word, STREAM=tuning.stream, num_warps=tuning.num_warps)
 
 
 def gather_meta(itemsize: int, tile_class: tuple, tuning: Tuning) -> dict[str, Any]:
