@@ -9,7 +9,7 @@ a simulated world (torch's fake process group: this process plays one rank, coll
     expert tensor (``nn.Parameter(torch.empty(E, out, in))`` + ``nn.init.normal_``; 4 and 20 GiB of
     bf16) beside two small Linear layers, at W = 8 as rank 0 and 7 (ranks 0 only above 8 GiB), and with
     ``offload_param: cpu`` for the smallest size. Key off, DeepSpeed creates the full tensor on the
-    device in fp32 and converts it; key on, a tensor of ``host_init_bytes`` or more is a placeholder
+    device in fp32 and converts it; key on, a tensor of ``sharded_init_bytes`` or more is a placeholder
     (exact sharded init): each rank replays the recorded ``normal_`` on its own slice, on the device.
     Every partition (experts included) must be bit-identical to key off's and the device generator must
     end in the same state (on a fake world key off is defined on every rank: its broadcast moves nothing,
@@ -68,7 +68,7 @@ STARTED = time.perf_counter()
 SMOKE_MIX = [[64, 64]] * 6 + [[64]] * 12 + [[1000, 8]] * 2  # bench_flatten's smoke group
 MIX_LAYERS, SMOKE_LAYERS = 50, 3
 BIG_GIB = 8  # (a) sizes above this run as the first --ranks rank only, and after (b) and (c)
-# Smoke-size host_init_bytes (key on), so that the placeholders (exact sharded init) are used: ztriton compares a request's size in
+# Smoke-size sharded_init_bytes (key on), so that the placeholders (exact sharded init) are used: ztriton compares a request's size in
 # zero.Init's dtype (bf16) with it. (a): the [4, 8, 16] experts (1,024 B), not the small layers;
 # (c): the two [1000, 8] tensors (16,000 B), not the [64, 64] ones (8,192 B).
 SMOKE_A_HOST, SMOKE_C_HOST = 1024, 10000
@@ -78,7 +78,7 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
 
 
-def ds_config(backend: str, stage: int, offload: bool = False, host_init_bytes: int | None = None) -> dict:
+def ds_config(backend: str, stage: int, offload: bool = False, sharded_init_bytes: int | None = None) -> dict:
     zero: dict[str, Any] = {"stage": stage}
     if offload:
         zero["offload_param"] = {"device": "cpu"}
@@ -86,8 +86,8 @@ def ds_config(backend: str, stage: int, offload: bool = False, host_init_bytes: 
               "zero_optimization": zero, "bf16": {"enabled": True}}
     if backend == "triton":  # key off: no key at all, DeepSpeed exactly as shipped
         config["partition_backend"] = "triton"
-        if host_init_bytes is not None:
-            config["ztriton"] = {"host_init_bytes": host_init_bytes}
+        if sharded_init_bytes is not None:
+            config["ztriton"] = {"sharded_init_bytes": sharded_init_bytes}
     return config
 
 
@@ -110,9 +110,9 @@ def _ztriton_lines(lines: list[str], backend: str, entry: dict) -> None:
 # ----------------------------------------------------------------------------------------- (a) zero.Init
 
 
-def zero_init_once(shape, hidden, world, rank, backend, offload, host_init_bytes) -> tuple[dict, dict]:
+def zero_init_once(shape, hidden, world, rank, backend, offload, sharded_init_bytes) -> tuple[dict, dict]:
     """One zero.Init build: its figures, and what is compared across backends."""
-    config = ds_config(backend, 3, offload, host_init_bytes)
+    config = ds_config(backend, 3, offload, sharded_init_bytes)
     marks: dict[str, Any] = {}
 
     def build():
@@ -156,7 +156,7 @@ def zero_init_once(shape, hidden, world, rank, backend, offload, host_init_bytes
     return entry, compared
 
 
-def case_zero_init(gib: float, world: int, rank: int, offload: bool, host_init_bytes: int | None) -> dict:
+def case_zero_init(gib: float, world: int, rank: int, offload: bool, sharded_init_bytes: int | None) -> dict:
     shape, hidden = expert_shape(gib)
     label = f"{gib:g} GiB experts {shape}, W={world} rank {rank}" + (", offload_param cpu" if offload else "")
     out: dict[str, Any] = {"part": "a", "what": "zero.Init", "gib": gib, "shape": shape, "world_size": world,
@@ -166,7 +166,7 @@ def case_zero_init(gib: float, world: int, rank: int, offload: bool, host_init_b
         for backend in ("torch", "triton"):
             log(f"(a) zero.Init {label}, key {'on' if backend == 'triton' else 'off'} ...")
             out[backend], compared[backend] = zero_init_once(shape, hidden, world, rank, backend, offload,
-                                                             host_init_bytes)
+                                                             sharded_init_bytes)
             row = out[backend]
             log(f"    {row['seconds']:.3f} s (construct {row['construct_seconds']:.3f} s), peak "
                 f"{row['peak_gib']:.2f} GiB = {row['peak_over_shard']:.2f}x shard, experts partition on "
@@ -258,8 +258,8 @@ def case_zero2(shapes, layers, world: int, rank: int, name: str) -> dict:
 # ------------------------------------------------------------------------------ (c) ZeRO-3 initialize
 
 
-def zero3_once(shapes, layers, world, rank, backend, host_init_bytes) -> dict:
-    config = ds_config(backend, 3, host_init_bytes=host_init_bytes)
+def zero3_once(shapes, layers, world, rank, backend, sharded_init_bytes) -> dict:
+    config = ds_config(backend, 3, sharded_init_bytes=sharded_init_bytes)
     marks: dict[str, Any] = {}
 
     def build():
@@ -305,14 +305,14 @@ def zero3_once(shapes, layers, world, rank, backend, host_init_bytes) -> dict:
     return entry
 
 
-def case_zero3(shapes, layers, world: int, rank: int, name: str, host_init_bytes: int | None) -> dict:
+def case_zero3(shapes, layers, world: int, rank: int, name: str, sharded_init_bytes: int | None) -> dict:
     out: dict[str, Any] = {"part": "c", "what": "ZeRO-3 zero.Init + deepspeed.initialize", "mix": name,
                            "params": len(shapes), "world_size": world, "rank": rank}
     with simulated_world(world, rank):
         for backend in ("torch", "triton"):
             log(f"(c) ZeRO-3 zero.Init + initialize, {name}, W={world} rank {rank}, "
                 f"key {'on' if backend == 'triton' else 'off'} ...")
-            entry = out[backend] = zero3_once(shapes, layers, world, rank, backend, host_init_bytes)
+            entry = out[backend] = zero3_once(shapes, layers, world, rank, backend, sharded_init_bytes)
             z, i = entry["zero_init"], entry["initialize"]
             log(f"    zero.Init {z['seconds']:.3f} s peak {z['peak_gib']:.2f} GiB; initialize {i['seconds']:.3f} s "
                 f"(defragment {i['defragment_seconds']:.3f} s) peak {i['peak_gib']:.2f} GiB = "
@@ -350,8 +350,8 @@ def plan(args) -> list[tuple[str, Callable[[], dict]]]:
     cases = set(args.cases)
     mix, layers, mix_name = (SMOKE_MIX, SMOKE_LAYERS, "smoke mix") if args.smoke else \
         (llm_mix(), MIX_LAYERS, "LLM mix 8.6 GiB")
-    a_host = SMOKE_A_HOST if args.smoke and args.host_init_bytes is None else args.host_init_bytes
-    c_host = SMOKE_C_HOST if args.smoke and args.host_init_bytes is None else args.host_init_bytes
+    a_host = SMOKE_A_HOST if args.smoke and args.sharded_init_bytes is None else args.sharded_init_bytes
+    c_host = SMOKE_C_HOST if args.smoke and args.sharded_init_bytes is None else args.sharded_init_bytes
     small, big = [], []
     for gib in args.sizes:
         ranks = args.ranks if gib <= BIG_GIB else args.ranks[:1]
@@ -452,7 +452,7 @@ def main() -> None:
     parser.add_argument("--c-worlds", type=int, nargs="+", default=[8, 1], help="(c): simulated world sizes")
     parser.add_argument("--no-offload", action="store_true", help="(a): skip the offload_param cpu case")
     parser.add_argument("--host-init-bytes", type=int, default=None,
-                        help="key on: ztriton.host_init_bytes (default: the library's own choice)")
+                        help="key on: ztriton.sharded_init_bytes (default: the library's own choice)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS,
                         help="a folder, or a .json path whose stem is the result's name (default bench/results)")
@@ -489,7 +489,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "config": {"cases": args.cases, "sizes_gib": args.sizes, "ranks": args.ranks, "world_size": args.world,
                    "c_world_sizes": args.c_worlds, "offload_case": not args.no_offload,
-                   "host_init_bytes": args.host_init_bytes, "smoke": args.smoke,
+                   "sharded_init_bytes": args.sharded_init_bytes, "smoke": args.smoke,
                    "device_total_gib": torch.cuda.get_device_properties(0).total_memory / GiB if CUDA else None,
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                    "plan": [k for k, _ in jobs]},
@@ -497,7 +497,7 @@ def main() -> None:
             "Simulated worlds: torch's fake process group; this process plays one rank, collectives move nothing.",
             "Peaks: torch.cuda.max_memory_allocated after reset_peak_memory_stats, above memory_allocated before "
             "the call. Ratios: key on ('partition_backend': 'triton') over key off (no key), same run.",
-            "(a) key on: tensors of host_init_bytes or more are placeholders and each rank replays their init on "
+            "(a) key on: tensors of sharded_init_bytes or more are placeholders and each rank replays their init on "
             "its own slice (exact sharded init): every partition's valid prefix and the device generator state "
             "after the Init are compared with key off's, bit for bit. One repetition per case, after a smoke-sized "
             "warm-up.",

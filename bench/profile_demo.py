@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _step(kind: str, shape, backend: str, device: str, world: int, host_init_bytes: int):
+def _step(kind: str, shape, backend: str, device: str, world: int, sharded_init_bytes: int):
     from ztriton.integrations.deepspeed import demo
 
     if kind == "zero_init":
-        return demo.zero_init_step(shape, backend, world, 0, host_init_bytes)
+        return demo.zero_init_step(shape, backend, world, 0, sharded_init_bytes)
     if kind == "zero3_optimizer":
-        return demo.zero3_optimizer_step(shape, backend, world, 0, host_init_bytes)
+        return demo.zero3_optimizer_step(shape, backend, world, 0, sharded_init_bytes)
     return demo.zero2_optimizer_step(shape, backend, device)
 
 
@@ -65,14 +65,14 @@ def main(argv=None) -> int:
     demo.quiet_foreign_warnings()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = demo.GPU_SHAPE if device == "cuda" else demo.CPU_SHAPE
-    host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
+    sharded_init_bytes = 256 * 2**20 if device == "cuda" else 4096
     demo.run_steps(demo.WARMUP_SHAPE, device, args.world, 4096, quiet=True)
 
     allocations: dict[str, list[tuple[int, int]]] = {"torch": [], "triton": []}
 
     def once(kind: str, backend: str) -> float:
         with simulated_world(args.world, 0):
-            step = _step(kind, shape, backend, device, args.world, host_init_bytes)
+            step = _step(kind, shape, backend, device, args.world, sharded_init_bytes)
             if device == "cuda":
                 if args.empty_cache:
                     torch.cuda.empty_cache()

@@ -83,19 +83,33 @@ def test_settings_from_dict_path_base64_and_deepspeed_config(tmp_path, fake_worl
 
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    cfg = config("triton", ztriton={"host_init_bytes": 4096, "chunk_bytes": 1 << 20})
+    cfg = config("triton", ztriton={"sharded_init_bytes": 4096, "chunk_bytes": 1 << 20})
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
     with fake_world(2, 0):
         ds_config = DeepSpeedConfig(cfg)
-    expected = integration.Settings("triton", Options.of(host_init_bytes=4096, chunk_bytes=1 << 20))
+    expected = integration.Settings("triton", Options.of(sharded_init_bytes=4096, chunk_bytes=1 << 20))
     for source in (cfg, str(path), path, encoded, ds_config):
         assert integration.settings_from(source) == expected
     with pytest.raises(ValueError, match="'partition_backend' must be one of"):  # DeepSpeedConfig checks the key itself
         DeepSpeedConfig({**cfg, "partition_backend": "tritonn"})
     assert integration.settings_from(None) == integration.Settings("torch")
     assert integration.settings_from(config(None)).backend == "torch"
+
+
+def test_renamed_option_is_read_with_a_warning():
+    """The section's old name ``host_init_bytes`` still sets ``sharded_init_bytes`` for one release, with a
+    warning a user sees (FutureWarning); both names with different values is an error naming both."""
+    with pytest.warns(FutureWarning, match="'host_init_bytes' is now 'sharded_init_bytes'"):
+        old = integration.settings_from({"partition_backend": "triton", "ztriton": {"host_init_bytes": 4096}})
+    assert old.options.sharded_init_bytes == 4096
+    assert old == integration.settings_from({"partition_backend": "triton", "ztriton": {"sharded_init_bytes": 4096}})
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="sharded_init_bytes=8192 and its old name "
+                                                                       "host_init_bytes=4096 differ"):
+        integration.settings_from({"ztriton": {"host_init_bytes": 4096, "sharded_init_bytes": 8192}})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['host_init'\]"):
+        Options.of(host_init=1)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -127,7 +141,7 @@ def test_zero_init_key_on_matches_key_off(world_size, ranks, dtype, wrap_existin
     for rank in ranks:
         off = zero3_reference(lambda: BitsModule(SHAPES, seed=3), world_size, rank, dtype, wrap_existing=wrap_existing)
         on = zero3_reference(lambda: BitsModule(SHAPES, seed=3), world_size, rank, dtype, wrap_existing=wrap_existing,
-                             config={"partition_backend": "triton", "ztriton": {"host_init_bytes": 256}})
+                             config={"partition_backend": "triton", "ztriton": {"sharded_init_bytes": 256}})
         for a, b in zip(off, on, strict=True):
             assert (a.name, a.ds_shape, a.ds_numel, a.ds_numel_aligned, a.partition_numel, a.data_numel, a.status) == \
                    (b.name, b.ds_shape, b.ds_numel, b.ds_numel_aligned, b.partition_numel, b.data_numel, b.status)
@@ -170,7 +184,7 @@ def test_params_of_two_partition_groups_in_one_init(fake_world):
         with fake_world(4, 1):
             subgroup = torch.distributed.new_group([0, 1])
             torch.manual_seed(5)
-            with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 512})):
+            with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"sharded_init_bytes": 512})):
                 model = TwoGroups(subgroup)
             got[backend] = {n: (p.ds_tensor.numel(), valid_prefix(p, 1).clone()) for n, p in model.named_parameters()}
     per_param_groups = got["torch"]["expert"][0] == 5
@@ -197,10 +211,10 @@ def test_an_init_of_placeholders_only_never_probes_for_a_staging_chunk(fake_worl
                 self.register_parameter(f"p{i}", torch.nn.Parameter(torch.nn.init.normal_(torch.empty(numel))))
 
     with fake_world(2, 0):
-        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 64})):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"sharded_init_bytes": 64})):
             model = Drawn(100, 50)  # 400 and 200 bytes asked (fp32): placeholders
         assert asked == [] and model.p0.ds_tensor.numel() == 50
-        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"host_init_bytes": 64})):
+        with deepspeed.zero.Init(config_dict_or_path=config("triton", ztriton={"sharded_init_bytes": 64})):
             Drawn(100)
             Drawn(3, 5)  # 12 and 20 bytes: below the threshold, ordinary params
             Drawn(4)
@@ -467,7 +481,7 @@ def _salted_partitions(rank, world_size):
     """Each rank builds different values; both backends must leave rank 0's everywhere."""
     out = {}
     for backend in ("torch", "triton"):
-        cfg = config(backend, ztriton={"host_init_bytes": 64})
+        cfg = config(backend, ztriton={"sharded_init_bytes": 64})
         cfg["zero_optimization"].update(gloo_safe_gathers())
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = BitsModule(SHAPES, seed=5, rank_salt=True)
@@ -493,7 +507,7 @@ def _build_experts_under_init(backend: str, world_size: int, experts: int, width
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"host_init_bytes": 64 << 20})):
+    with deepspeed.zero.Init(config_dict_or_path=config(backend, ztriton={"sharded_init_bytes": 64 << 20})):
         model = Experts(experts, width)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base, model

@@ -301,15 +301,15 @@ def test_tier_is_a_string_enum():
 
 
 def test_host_init_threshold():
-    from ztriton.policy import GiB, MiB, choose_host_init_bytes
+    from ztriton.policy import GiB, MiB, choose_sharded_init_bytes
 
-    assert choose_host_init_bytes(139 * GiB) == 1 * GiB  # a roomy device: 1 GiB
-    assert choose_host_init_bytes(4 * GiB) == 512 * MiB  # a tight one: an eighth of what is free
-    assert choose_host_init_bytes(0) == 1 * MiB  # never below the minimum chunk
-    assert choose_host_init_bytes(139 * GiB, configured=0) == 0  # configured: every param to the host
-    assert choose_host_init_bytes(0, configured=12345) == 12345
-    with pytest.raises(ValueError, match="host_init_bytes must be an int >= 0"):
-        choose_host_init_bytes(GiB, configured=-1)
+    assert choose_sharded_init_bytes(139 * GiB) == 1 * GiB  # a roomy device: 1 GiB
+    assert choose_sharded_init_bytes(4 * GiB) == 512 * MiB  # a tight one: an eighth of what is free
+    assert choose_sharded_init_bytes(0) == 1 * MiB  # never below the minimum chunk
+    assert choose_sharded_init_bytes(139 * GiB, configured=0) == 0  # configured: every param to the host
+    assert choose_sharded_init_bytes(0, configured=12345) == 12345
+    with pytest.raises(ValueError, match="sharded_init_bytes must be an int >= 0"):
+        choose_sharded_init_bytes(GiB, configured=-1)
 
 
 def test_defragment_decision():
@@ -332,7 +332,7 @@ def test_defragment_decision():
 
 def test_options_defaults_resolved_once():
     assert Options.of() == Options(DEFAULT_HEADROOM_BYTES, None, None)
-    assert Options.of(headroom_bytes=0, chunk_bytes=MIN_CHUNK_BYTES, host_init_bytes=0) == Options(0, MIN_CHUNK_BYTES, 0)
+    assert Options.of(headroom_bytes=0, chunk_bytes=MIN_CHUNK_BYTES, sharded_init_bytes=0) == Options(0, MIN_CHUNK_BYTES, 0)
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -340,7 +340,7 @@ def test_options_defaults_resolved_once():
     (dict(headroom_bytes=True), r"^headroom_bytes must be an int >= 0"),
     (dict(chunk_bytes=1.5 * MiB), r"^chunk_bytes must be an int >= 0"),
     (dict(chunk_bytes=MIN_CHUNK_BYTES - 1), r"^chunk_bytes=1048575 is below the minimum of 1048576"),
-    (dict(host_init_bytes=-5), r"^host_init_bytes must be an int >= 0"),
+    (dict(sharded_init_bytes=-5), r"^sharded_init_bytes must be an int >= 0"),
 ])
 def test_options_refuse_bad_values(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -372,7 +372,7 @@ def test_staging_chunk_clamped_to_the_data():
 def test_options_take_integer_likes_as_ints():
     import numpy as np
 
-    options = Options.of(headroom_bytes=np.int64(5), chunk_bytes=np.uint32(2 * MiB), host_init_bytes=np.int16(7))
+    options = Options.of(headroom_bytes=np.int64(5), chunk_bytes=np.uint32(2 * MiB), sharded_init_bytes=np.int16(7))
     assert options == Options(5, 2 * MiB, 7) and type(options.headroom_bytes) is int
     for bad in ("5", 5.0, [5], np.float64(5), True):
         with pytest.raises(ValueError, match=r"^chunk_bytes must be an int >= 0"):

@@ -21,7 +21,7 @@ gathers nothing (every load asserts which of the two ran: :func:`check_ran`). So
   numels).
 
 The Mixtral case has fused 3-D expert params, the largest tensors of the model (checked), and sets
-``"ztriton": {"host_init_bytes": <the smallest expert param>}`` so that exactly the expert params are
+``"ztriton": {"sharded_init_bytes": <the smallest expert param>}`` so that exactly the expert params are
 placeholders of the key's exact sharded init (each rank replays its own slice; under ``no_init_weights``
 nothing is drawn); that is asserted from the DEBUG lines of logger ``"ztriton"``.
 
@@ -85,11 +85,11 @@ SHARDED = re.compile(r"^ztriton zero\.Init: \d+ param\(s\) initialised shard by 
 SHARDED_PARAM = re.compile(r"(?:shard \(|, )(?P<module>\w+)\.(?P<param>\w+) \(")
 
 
-def ds_config(backend: str, host_init_bytes: int | None = None) -> dict[str, Any]:
+def ds_config(backend: str, sharded_init_bytes: int | None = None) -> dict[str, Any]:
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **gloo_safe_gathers()}, "bf16": {"enabled": True},
            "partition_backend": backend}
-    if host_init_bytes is not None:
-        cfg["ztriton"] = {"host_init_bytes": host_init_bytes}
+    if sharded_init_bytes is not None:
+        cfg["ztriton"] = {"sharded_init_bytes": sharded_init_bytes}
     return cfg
 
 
@@ -277,10 +277,10 @@ def watching() -> Iterator[list[str]]:
         loading.load_into, deepspeed.zero.GatheredParameters = load_into, gathered
 
 
-def load(path: Path, backend: str, host_init_bytes: int | None = None, gather: bool = False
+def load(path: Path, backend: str, sharded_init_bytes: int | None = None, gather: bool = False
          ) -> tuple[dict[str, Loaded], Ran]:
     """``from_pretrained(path)`` under ZeRO-3 with ``backend``, in the current world: each param, and what ran."""
-    with hf_zero3(ds_config(backend, host_init_bytes)), watching() as seen:
+    with hf_zero3(ds_config(backend, sharded_init_bytes)), watching() as seen:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE)
     ran = Ran(reads=seen.count("read"), gathers=seen.count("gather"))
     full = {}
@@ -382,7 +382,7 @@ def test_mixtral_from_pretrained_shards_the_experts_init_and_loads_the_same(chec
         for backend in ("torch", "triton"):
             with fake_world(world_size, rank), caplog.at_level(logging.DEBUG, logger="ztriton"):
                 caplog.clear()
-                loaded[backend], ran = load(checkpoint.path, backend, host_init_bytes=threshold)
+                loaded[backend], ran = load(checkpoint.path, backend, sharded_init_bytes=threshold)
             check_ran(backend, ran)
             sharded = sharded_params(caplog)
             fallbacks = [r.getMessage() for r in caplog.records if "cannot be recorded" in r.getMessage()]

@@ -2,7 +2,7 @@
 the zero.Init items of issue 16 (buffers derived from large constructors, per-slice casts).
 
 The oracle is DeepSpeed itself: the same module, seed and world with the key off. Key on, tensors at or
-above ``host_init_bytes`` are placeholders replayed slice by slice; every partition's valid prefix must
+above ``sharded_init_bytes`` are placeholders replayed slice by slice; every partition's valid prefix must
 equal key off's bit for bit, the generator must end where key off leaves it, and a random call after the
 Init must give the same numbers. On torch's fake process group DeepSpeed's broadcast moves nothing, so
 every simulated rank keeps its slice of the tensor it generated locally from the same seed: key off is
@@ -32,7 +32,7 @@ def config(backend: str, dtype: torch.dtype = torch.bfloat16, threshold: int = 1
     elif dtype == torch.float16:
         cfg["fp16"] = {"enabled": True}
     if backend == "triton":
-        cfg.update(partition_backend="triton", ztriton={"host_init_bytes": threshold})
+        cfg.update(partition_backend="triton", ztriton={"sharded_init_bytes": threshold})
     return cfg
 
 
@@ -421,7 +421,7 @@ class M(torch.nn.Module):
         self.a = torch.nn.Parameter(torch.empty(64, 64)); torch.nn.init.trunc_normal_(self.a, std=0.02)
         self.b = torch.nn.Parameter(torch.empty(64, 64)); torch.nn.init.normal_(self.b, std=0.02)
 cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-       "partition_backend": "triton", "ztriton": {"host_init_bytes": 1024}}
+       "partition_backend": "triton", "ztriton": {"sharded_init_bytes": 1024}}
 with simulated_world(2, 1):
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         m = M()

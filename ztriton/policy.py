@@ -11,6 +11,7 @@ import bisect
 import enum
 import operator
 import logging
+import warnings
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
@@ -33,10 +34,9 @@ PER_PARAM_COPIES = 8
 MIN_CHUNK_BYTES = 1 * MiB
 MAX_CHUNK_BYTES = 256 * MiB
 # A parameter created inside ``zero.Init`` at least this large is a sharded-init placeholder (under
-# ``"partition_backend": "triton"``): the whole tensor is never allocated, each rank generates its slice.
-# (The name is historical: such tensors used to be created in host memory; a placeholder that meets an
-# op it cannot replay is still materialised, on the device it stands for.)
-MAX_HOST_INIT_BYTES = 1 * GiB
+# ``"partition_backend": "triton"``): the whole tensor is never allocated, each rank generates its slice
+# (a placeholder that meets an op it cannot replay is materialised, on the device it stands for).
+MAX_SHARDED_INIT_BYTES = 1 * GiB
 
 
 def check_bytes(name: str, value: object) -> int:
@@ -110,19 +110,19 @@ class Options:
     """What the caller may tune, checked when made; ``None`` fields are the policy's to pick.
 
     ``headroom_bytes``: device memory every decision leaves free (default 1 GiB). ``chunk_bytes``:
-    staging chunk size (default: picked from free memory). ``host_init_bytes``: parameters created
+    staging chunk size (default: picked from free memory). ``sharded_init_bytes``: parameters created
     inside ``zero.Init`` at least this large are never allocated whole: each rank generates only its slice
-    (exact sharded init; default: :func:`choose_host_init_bytes`). ``warm_up_kernels``: load the copy
-    kernel in a background thread from the moment a DeepSpeed config asks for the key (default off: copies of
-    up to 4096 contiguous pieces take torch's ``copy_`` until a kernel is loaded, so a dense or fused-MoE
-    model never loads one; turn it on for groups of more params, or strided ones, whose first copy would
-    otherwise load the kernel in the caller's thread).
-    The same names make the ``"ztriton"`` section of a DeepSpeed config.
+    (exact sharded init; default: :func:`choose_sharded_init_bytes`). ``warm_up_kernels``: load the copy
+    kernels in a background thread from the moment a DeepSpeed config asks for the key (default off: with the
+    compiled cache filled, ``python -m ztriton compile``, a first launch costs milliseconds; without it, Triton's
+    JIT costs the first kernel job about half a second in the caller's thread, which the warm-up moves off it).
+    The same names make the ``"ztriton"`` section of a DeepSpeed config; ``host_init_bytes`` is read as
+    ``sharded_init_bytes`` for one more release (:data:`RENAMED_OPTIONS`).
     """
 
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES
     chunk_bytes: int | None = None
-    host_init_bytes: int | None = None
+    sharded_init_bytes: int | None = None
     warm_up_kernels: bool = False
 
     def __post_init__(self):
@@ -130,21 +130,43 @@ class Options:
         object.__setattr__(self, "headroom_bytes", check_bytes("headroom_bytes", self.headroom_bytes))
         if self.chunk_bytes is not None:
             object.__setattr__(self, "chunk_bytes", check_chunk_bytes(self.chunk_bytes))
-        if self.host_init_bytes is not None:
-            object.__setattr__(self, "host_init_bytes", check_bytes("host_init_bytes", self.host_init_bytes))
+        if self.sharded_init_bytes is not None:
+            object.__setattr__(self, "sharded_init_bytes", check_bytes("sharded_init_bytes", self.sharded_init_bytes))
         if not isinstance(self.warm_up_kernels, (bool, int)) or self.warm_up_kernels not in (0, 1):
             raise ValueError(f"warm_up_kernels must be true or false, got {self.warm_up_kernels!r:.60}")
         object.__setattr__(self, "warm_up_kernels", bool(self.warm_up_kernels))
 
     @classmethod
     def of(cls, *, headroom_bytes: int | None = None, chunk_bytes: int | None = None,
-           host_init_bytes: int | None = None, warm_up_kernels: bool | None = None) -> Options:
-        """Options from keyword arguments where ``None`` means the default."""
-        return cls(DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes, chunk_bytes, host_init_bytes,
+           sharded_init_bytes: int | None = None, warm_up_kernels: bool | None = None, **renamed) -> Options:
+        """Options from keyword arguments where ``None`` means the default; an option's old name
+        (:data:`RENAMED_OPTIONS`) is read as its new one, with a FutureWarning (shown to users by default)."""
+        sharded_init_bytes = _renamed(renamed, sharded_init_bytes)
+        return cls(DEFAULT_HEADROOM_BYTES if headroom_bytes is None else headroom_bytes, chunk_bytes, sharded_init_bytes,
                    False if warm_up_kernels is None else warm_up_kernels)
 
 
+# Options' old names, read as the new ones for one release: {old: new}.
+RENAMED_OPTIONS = {"host_init_bytes": "sharded_init_bytes"}
 OPTION_NAMES = tuple(f.name for f in fields(Options))
+
+
+def _renamed(renamed: dict, sharded_init_bytes: int | None) -> int | None:
+    """``sharded_init_bytes`` from its old name in ``renamed`` (the only renamed option); a TypeError for any
+    other unknown keyword, a ValueError for both names with different values."""
+    unknown = sorted(set(renamed) - set(RENAMED_OPTIONS))
+    if unknown:
+        raise TypeError(f"Options.of() got unknown option(s) {unknown}; known: {list(OPTION_NAMES)}")
+    if "host_init_bytes" not in renamed:
+        return sharded_init_bytes
+    old = renamed["host_init_bytes"]
+    warnings.warn("the option 'host_init_bytes' is now 'sharded_init_bytes' (the size from which zero.Init "
+                  "draws a tensor shard by shard); the old name is read until the next release",
+                  FutureWarning, stacklevel=3)
+    if sharded_init_bytes is not None and old is not None and sharded_init_bytes != old:
+        raise ValueError(f"sharded_init_bytes={sharded_init_bytes} and its old name host_init_bytes={old} differ: "
+                         "give only sharded_init_bytes")
+    return old if sharded_init_bytes is None else sharded_init_bytes
 
 
 class Tier(str, enum.Enum):
@@ -285,20 +307,20 @@ def choose_evictions(sizes: Sequence[int], evict_bytes: int) -> list[int]:
     return sorted(chosen)
 
 
-def choose_host_init_bytes(device_free: int, configured: int | None = None) -> int:
+def choose_sharded_init_bytes(device_free: int, configured: int | None = None) -> int:
     """Size from which a parameter created inside ``zero.Init`` is a sharded-init placeholder (only
-    this rank's slice is ever allocated and generated; the name is historical, see MAX_HOST_INIT_BYTES).
+    this rank's slice is ever allocated and generated).
 
-    A configured size wins (``"ztriton": {"host_init_bytes": N}``; 0 makes every floating parameter a
+    A configured size wins (``"ztriton": {"sharded_init_bytes": N}``; 0 makes every floating parameter a
     placeholder). Otherwise 1 GiB, or an eighth of the free device memory when that is smaller: below
     that, a whole tensor is a transient the device affords, and the ordinary partition path is as exact
     with less bookkeeping.
     """
     if configured is not None:
-        return check_bytes("host_init_bytes", configured)
+        return check_bytes("sharded_init_bytes", configured)
     if device_free < 0:
         raise ValueError(f"device_free must be >= 0, got {device_free}")
-    return max(MIN_CHUNK_BYTES, min(MAX_HOST_INIT_BYTES, device_free // 8))
+    return max(MIN_CHUNK_BYTES, min(MAX_SHARDED_INIT_BYTES, device_free // 8))
 
 
 @dataclass(frozen=True)

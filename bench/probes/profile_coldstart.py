@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     threshold = (1 << 30) // scale ** 2  # the default 1 GiB threshold, scaled as the embeddings are
     config = _config(args.backend, 2 if args.step == "zero2" else 3)
     if args.backend == "triton":
-        config["ztriton"] = {"host_init_bytes": threshold}
+        config["ztriton"] = {"sharded_init_bytes": threshold}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = {"import": imported}
     with simulated_world(args.world, args.rank):

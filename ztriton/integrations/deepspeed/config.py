@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from ztriton.policy import OPTION_NAMES, Options
+from ztriton.policy import OPTION_NAMES, RENAMED_OPTIONS, Options
 
 __all__ = ["BACKENDS", "CONFIG_KEY", "OPTIONS_KEY", "Settings", "misspelt_keys", "settings_from", "warn_if_no_effect"]
 
@@ -26,7 +26,7 @@ BACKENDS = ("torch", "triton")
 @dataclass(frozen=True)
 class Settings:
     """What a DeepSpeed config asks of ztriton: the backend ("torch": DeepSpeed's own code) and the
-    options of the ``"ztriton"`` section (``host_init_bytes``, ``chunk_bytes``, ``headroom_bytes``,
+    options of the ``"ztriton"`` section (``sharded_init_bytes``, ``chunk_bytes``, ``headroom_bytes``,
     ``warm_up_kernels``)."""
 
     backend: str = "torch"
@@ -69,7 +69,7 @@ def _parse(values: dict) -> Settings:
     if not isinstance(section, dict):
         raise ValueError(f"DeepSpeed config: {OPTIONS_KEY!r} must be a dict of {list(OPTION_NAMES)}, got "
                          f"{type(section).__name__}")
-    unknown = sorted(set(section) - set(OPTION_NAMES))
+    unknown = sorted(set(section) - set(OPTION_NAMES) - set(RENAMED_OPTIONS))
     if unknown:
         raise ValueError(f"DeepSpeed config: unknown {OPTIONS_KEY!r} option(s) {unknown}; known: {list(OPTION_NAMES)}")
     try:

@@ -83,10 +83,10 @@ class MoEModel(torch.nn.Module):
             Weights({"up": (e, 2 * f, h), "down": (e, h, f)}, seed=20 + i) for i in range(shape.layers))
 
 
-def config(backend: str, stage: int, host_init_bytes: int) -> dict[str, Any]:
+def config(backend: str, stage: int, sharded_init_bytes: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
-            "partition_backend": backend, "ztriton": {"host_init_bytes": host_init_bytes}}
+            "partition_backend": backend, "ztriton": {"sharded_init_bytes": sharded_init_bytes}}
 
 
 @dataclass
@@ -126,21 +126,21 @@ def _valid_partitions(model: torch.nn.Module, world_size: int, rank: int) -> lis
             for p in model.parameters()]
 
 
-def zero_init_step(shape: MoEShape, backend: str, world_size: int, rank: int, host_init_bytes: int):
+def zero_init_step(shape: MoEShape, backend: str, world_size: int, rank: int, sharded_init_bytes: int):
     import deepspeed
 
     def step():
-        with deepspeed.zero.Init(config_dict_or_path=config(backend, 3, host_init_bytes)):
+        with deepspeed.zero.Init(config_dict_or_path=config(backend, 3, sharded_init_bytes)):
             model = MoEModel(shape)
         return _valid_partitions(model, world_size, rank)
     return step
 
 
-def zero3_optimizer_step(shape: MoEShape, backend: str, world_size: int, rank: int, host_init_bytes: int):
+def zero3_optimizer_step(shape: MoEShape, backend: str, world_size: int, rank: int, sharded_init_bytes: int):
     """deepspeed.initialize at stage 3 of a model built under zero.Init (not timed): lp_param_buffer."""
     import deepspeed
 
-    cfg = config(backend, 3, host_init_bytes)
+    cfg = config(backend, 3, sharded_init_bytes)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = MoEModel(shape)
 
@@ -177,7 +177,7 @@ STEPS = (("ZeRO-3 zero.Init (model build)", "zero_init"),
          ("ZeRO-2 initialize (flatten)", "zero2_optimizer"))
 
 
-def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: int, quiet: bool = False,
+def run_steps(shape: MoEShape, device: str, world_size: int, sharded_init_bytes: int, quiet: bool = False,
               verbose: bool = False):
     """Every step with the key off, then on, as rank 0 of the simulated world: table rows. Unless ``quiet``,
     one progress line per step (``[1/3] step ... key off 7.5 ms, key on 11.0 ms, bytes identical``); with
@@ -193,9 +193,9 @@ def run_steps(shape: MoEShape, device: str, world_size: int, host_init_bytes: in
             for _ in range(REPEATS):  # each on a fresh model: a single run of a few ms is mostly noise
                 with simulated_world(world_size, 0):
                     if kind == "zero_init":
-                        step = zero_init_step(shape, backend, world_size, 0, host_init_bytes)
+                        step = zero_init_step(shape, backend, world_size, 0, sharded_init_bytes)
                     elif kind == "zero3_optimizer":
-                        step = zero3_optimizer_step(shape, backend, world_size, 0, host_init_bytes)
+                        step = zero3_optimizer_step(shape, backend, world_size, 0, sharded_init_bytes)
                     else:
                         step = zero2_optimizer_step(shape, backend, device)
                     runs.append(_measure(device, step))
@@ -302,7 +302,7 @@ def run(device: str, world_size: int, json_path: str | None = None, verbose: boo
     try:
         shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
         # Params of this size or more are sharded-init placeholders under the key: the fused experts.
-        host_init_bytes = 256 * 2**20 if device == "cuda" else 4096
+        sharded_init_bytes = 256 * 2**20 if device == "cuda" else 4096
         numel = shape.vocab * shape.hidden + shape.layers * (
             shape.hidden * (1 + 4 * shape.hidden + shape.experts) + 3 * shape.experts * shape.ffn * shape.hidden)
         _describe(device, world_size, shape, numel)
@@ -310,19 +310,19 @@ def run(device: str, world_size: int, json_path: str | None = None, verbose: boo
             print("[0/3] warm-up on a tiny model (loads the kernels) ...", end=" ", flush=True)
             run_steps(WARMUP_SHAPE, device, world_size, 4096, quiet=True)
             print("done", flush=True)
-        rows = run_steps(shape, device, world_size, host_init_bytes, verbose=verbose)
+        rows = run_steps(shape, device, world_size, sharded_init_bytes, verbose=verbose)
     finally:
         ours.removeHandler(handler)
         for h, f in added:
             h.removeFilter(f)
     _print_table(rows, device)
     if json_path is not None:
-        _write_json(json_path, rows, device, world_size, shape, numel, host_init_bytes)
+        _write_json(json_path, rows, device, world_size, shape, numel, sharded_init_bytes)
     return 0 if all(r[-1] for r in rows) else 1
 
 
 def _write_json(path: str, rows, device: str, world_size: int, shape: MoEShape, numel: int,
-                host_init_bytes: int) -> None:
+                sharded_init_bytes: int) -> None:
     """The table as ``--json`` writes it: each row's median seconds and largest peak, key off and on."""
     import dataclasses
     import json
@@ -335,7 +335,7 @@ def _write_json(path: str, rows, device: str, world_size: int, shape: MoEShape, 
                    "deepspeed": deepspeed.__version__,
                    "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
     out = {"command": "python -m ztriton demo", "environment": environment, "world_size": world_size,
-           "model": dataclasses.asdict(shape), "model_mib_bf16": numel * 2 / 2**20, "host_init_bytes": host_init_bytes,
+           "model": dataclasses.asdict(shape), "model_mib_bf16": numel * 2 / 2**20, "sharded_init_bytes": sharded_init_bytes,
            "repeats": REPEATS, "rows": [
                {"step": name, "key_off_s": off_s, "key_off_peak_mib": off_peak, "key_on_s": on_s,
                 "key_on_peak_mib": on_peak, "bytes": "identical" if same else "DIFFERENT"}

@@ -45,7 +45,7 @@ def init_add_tensor_creation_wrappers(original, self):
     recorder = Recorder()  # fallbacks materialise on the device the tensor stands for: exact values
     recorder.__enter__()
     STATE.init(self).recorder = recorder
-    threshold = options_of(self).host_init_bytes
+    threshold = options_of(self).sharded_init_bytes
     for name in PLACEHOLDER_CONSTRUCTORS:
         setattr(torch, name, _placeholder_constructor(getattr(torch, name), name, recorder, threshold, target, device,
                                                       STATE.init(self)))

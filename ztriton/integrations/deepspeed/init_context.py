@@ -34,7 +34,7 @@ def uses_ztriton(init) -> bool:
     else:
         logger.info("ztriton: zero.Init partitions through ztriton (partitions on %s; parameters of %s or "
                     "more are initialised shard by shard)", offload_device(init) or init.local_device,
-                    format_bytes(options_of(init).host_init_bytes))
+                    format_bytes(options_of(init).sharded_init_bytes))
     return state.uses_ztriton
 
 
@@ -50,9 +50,9 @@ def options_of(init) -> policy.Options:
     state = STATE.init(init)
     if state.options is None:
         options = state.settings.options
-        free = 0 if options.host_init_bytes is not None else memory.probe_memory(torch.device(init.local_device)).device_free
+        free = 0 if options.sharded_init_bytes is not None else memory.probe_memory(torch.device(init.local_device)).device_free
         state.options = dataclasses.replace(options,
-                                            host_init_bytes=policy.choose_host_init_bytes(free, options.host_init_bytes))
+                                            sharded_init_bytes=policy.choose_sharded_init_bytes(free, options.sharded_init_bytes))
     return state.options
 
 

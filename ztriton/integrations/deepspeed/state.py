@@ -29,7 +29,7 @@ class InitState:
     # Whether this Init partitions through ztriton: None until decided (and the "partitions through ztriton" /
     # "falls back" line logged), once DeepSpeed's __init__ has fixed its settings.
     uses_ztriton: bool | None = None
-    options: Options | None = None  # settings.options with host_init_bytes resolved (chunk_bytes at the first partition)
+    options: Options | None = None  # settings.options with sharded_init_bytes resolved (chunk_bytes at the first partition)
     worlds: dict = field(default_factory=dict)  # id(process group) -> its ztriton.comm.World, asked once
     done_bytes: int = 0
     done_params: int = 0

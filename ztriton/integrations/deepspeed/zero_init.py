@@ -5,13 +5,13 @@ Parameters are partitioned through :mod:`ztriton.partitioning` as each module's 
 DeepSpeed's code with one log line naming the mode.
 
 Exact sharded init (:mod:`ztriton.sharded_init`): while the Init's tensor constructors are patched, a
-floating tensor of at least ``host_init_bytes`` asked of ``torch.empty/zeros/ones/full/randn`` without a
+floating tensor of at least ``sharded_init_bytes`` asked of ``torch.empty/zeros/ones/full/randn`` without a
 device is a placeholder that allocates nothing and records the init calls made on it. At the module's
 end each rank replays them on its own slice only (on CUDA: straight into the partition, the device
 generator advanced exactly as the full calls would have), so the values are DeepSpeed's, bit for bit,
 and the full tensor is never allocated. Anything the recorder cannot replay materialises that tensor
 in full on the device, as DeepSpeed would have made it, with one log line: the values stay exact.
-(``host_init_bytes`` keeps its name for compatibility; it is now the placeholder threshold.)
+(The option was called ``host_init_bytes`` before; that name is still read, with a warning, for one release.)
 """
 from __future__ import annotations
 
