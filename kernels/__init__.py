@@ -44,6 +44,7 @@ if __name__ != "kernels" or not _hand_over_top_level_name():
     from .plan import make_plan, run_plan
     from .tuning import KERNELS_ONLY, Tuning
     from .reference import bits, torch_copy_chunk, torch_pack, torch_pack_slices, torch_run
+    from .words import integer_view
 
-__all__ = ["KERNELS_ONLY", "Piece", "Plan", "Tuning", "bits", "byte_extent", "byte_extents", "copy_chunk", "make_plan", "pack", "pack_plan", "pack_slices",
+__all__ = ["KERNELS_ONLY", "Piece", "Plan", "Tuning", "bits", "byte_extent", "byte_extents", "copy_chunk", "integer_view", "make_plan", "pack", "pack_plan", "pack_slices",
            "run_plan", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch_run", "uncovered"]

@@ -15,7 +15,7 @@ import torch
 from .ops import chunk_piece
 from .pieces import Piece, pack_pieces, slices_to_pieces
 from .validation import validate
-from .words import INT_OF_WIDTH
+from .words import integer_view
 
 __all__ = ["bits", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch_run"]
 
@@ -23,10 +23,7 @@ __all__ = ["bits", "torch_copy_chunk", "torch_pack", "torch_pack_slices", "torch
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements, flattened, as same-width integers: how a result is compared with the
     reference (``torch.equal`` on these; NaN-safe, -0.0-safe, and alike for bf16, fp8 and bool)."""
-    flat = tensor.detach().contiguous().view(-1)
-    if flat.element_size() == 16:  # complex128: two 8-byte words per element
-        return flat.view(torch.int64)
-    return flat.view(INT_OF_WIDTH[flat.element_size()])
+    return integer_view(tensor.detach().contiguous().view(-1))
 
 
 def torch_run(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),

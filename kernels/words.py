@@ -8,12 +8,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["INT_OF_WIDTH", "ITEMSIZES", "common_word", "units", "word_bytes", "word_unit"]
+__all__ = ["INT_OF_WIDTH", "ITEMSIZES", "common_word", "integer_view", "units", "word_bytes", "word_unit"]
 
 # Element sizes the kernels move as integers of that width (16-byte elements move as pairs of 8).
 ITEMSIZES = (8, 4, 2, 1)
 # Integer dtypes by width in bytes: the views torch copies through (integer copies never convert a bit).
 INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def integer_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as integers of their width, in its shape and without a copy; 16-byte elements
+    (complex128) as pairs of int64, flattened (copied only where they are not contiguous)."""
+    if tensor.element_size() == 16:
+        return tensor.reshape(-1).contiguous().view(torch.int64)
+    return tensor.view(INT_OF_WIDTH[tensor.element_size()])
 
 
 def word_unit(*values: int) -> int:

@@ -20,7 +20,7 @@ import torch
 
 from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, all_gather_bytes, same_on_all_ranks
-from ztriton.kernels import copy_chunk, pack, torch_pack
+from ztriton.kernels import copy_chunk, integer_view, pack, torch_pack
 from ztriton.layout import FlatGroupLayout
 from ztriton.memory import OutOfMemory, empty, format_bytes, kernels_run_on
 from ztriton.policy import FlattenDecision, Options, Tier
@@ -192,19 +192,12 @@ def _checksum(g: Group) -> int:
     once, in place; one device synchronisation."""
     # Summed in the elements' own integer width (wrapping): asking for an int64 sum makes torch cast the whole
     # param to int64 first, a 4x temporary exactly when device memory is short.
-    sums = [_integer_view(p.detach()).sum(dtype=_integer_view(p.detach()).dtype).to(torch.int64) for p in g.params]
+    views = [integer_view(p.detach()) for p in g.params]
+    sums = [view.sum(dtype=view.dtype).to(torch.int64) for view in views]
     total = 0
     for k, value in enumerate(torch.stack(sums).tolist() if sums else []):
         total = (total + (k + 1) * (value % _CHECKSUM_MOD)) % _CHECKSUM_MOD
     return total
-
-
-def _integer_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as same-width integers (no copy where a view is possible)."""
-    width = t.element_size()
-    if width in (1, 2, 4, 8):
-        return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width])
-    return t.reshape(-1).contiguous().view(torch.int64)  # wider elements (complex128): as int64 pairs
 
 
 def _evict_estimate(g: Group, options: Options) -> int:
