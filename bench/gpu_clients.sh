@@ -3,7 +3,7 @@
 # and ZeRO-2, key on (the recipe's config) and key off (the same without "partition_backend"), on a tiny Mixtral
 # that tests/hf_models.py writes. ztriton is pip-installed first so that its start-up hook (not an import in the
 # script) turns the key on, as for a user. Prints each run's ztriton lines and losses; logs go to OUT_DIR.
-# STAGES (default "3 2") picks the ZeRO stages; EXPERTS the Mixtral's experts (default 4: each loaded tensor is a
+# STAGES (default "3 2") picks the ZeRO stages, KEYS (default "on off") the key settings; EXPERTS the Mixtral's experts (default 4: each loaded tensor is a
 # job of at most 8 pieces; 16 makes the fused expert tensors jobs of 32 and 16 pieces, the kernels' route).
 #
 #   bash bench/gpu_clients.sh OUT_DIR
@@ -24,7 +24,7 @@ PY
 cd examples
 for stage in ${STAGES:-3 2}; do
   python3 -c "import json, sys; c = json.load(open('ds_zero$stage.json')); c.pop('partition_backend'); json.dump(c, open(sys.argv[1], 'w'))" "$work/off_zero$stage.json"
-  for key in on off; do
+  for key in ${KEYS:-on off}; do
     config=ds_zero$stage.json; [ "$key" = off ] && config=$work/off_zero$stage.json
     log=$out/trainer_zero${stage}_key_$key.log
     start=$SECONDS
