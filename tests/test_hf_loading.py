@@ -296,6 +296,24 @@ def test_key_on_partitions_are_the_ranks_slices_with_nothing_gathered(name, chec
             assert reports[0].bytes_read < total / 2, (where, reports[0].bytes_read, total)
 
 
+@pytest.mark.parametrize("experts, launched", [(4, False), (16, True)])
+def test_fused_expert_jobs_of_more_than_16_pieces_launch_the_kernels(experts, launched, tmp_path, fake_world):
+    """The route is the job's (issue 34): a Mixtral of 16 experts loads its fused expert tensors as jobs of 32 and 16
+    spans at W = 1 (gate_up: a stack of 16 concats of two), so the kernels launch (counted under the interpreter);
+    one of 4 experts loads by torch's copies only. The partitions are the checkpoint's either way."""
+    from ztriton.kernels import state
+
+    path = hf_models.save_checkpoint("mixtral", tmp_path / "mixtral", num_local_experts=experts)
+    want = plain(path)
+    with fake_world(1, 0):
+        before = state.launches()
+        model, info, seen, reports = load(path, "triton")
+        launches = state.launches() - before
+    assert (launches > 0) == launched, (experts, launches)
+    assert len(reports) == 1 and not seen.gathered
+    check_partitions(model, want, 1, 0)
+
+
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
 def test_key_on_equals_key_off_where_key_off_is_defined(name, checkpoints, fake_world):
     for world_size in (1, 3):
