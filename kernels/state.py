@@ -76,21 +76,29 @@ WARMING: dict[int, threading.Thread] = {}
 # A launch waits at most this long for one (a cold compile takes seconds); then it loads the kernel itself.
 _WARM_UP_WAIT_S = 120.0
 
-# Kernel launches issued by this process, however launched (compiled cache, JIT, interpreter): what a step's
-# summary line reports (read it with launches(), before and after the step).
+# Kernel launches issued by this process, however launched (compiled cache, JIT, interpreter), and by each
+# thread: what a step's summary line reports is its own thread's (read before and after the step), so that a
+# warm-up or another thread's work is not counted in it.
 _launches = 0
 _count_lock = threading.Lock()
+_per_thread = threading.local()
 
 
 def count_launch() -> None:
     global _launches
     with _count_lock:
         _launches += 1
+    _per_thread.launches = getattr(_per_thread, "launches", 0) + 1
 
 
 def launches() -> int:
     """Kernel launches this process has issued so far."""
     return _launches
+
+
+def thread_launches() -> int:
+    """Kernel launches the calling thread has issued so far."""
+    return getattr(_per_thread, "launches", 0)
 
 
 def await_warm_up(device: torch.device) -> None:

@@ -298,7 +298,7 @@ def test_summary_line_names_the_route_and_launches(monkeypatch):
     monkeypatch.setattr(report, "_is_rank0", lambda: False)  # the line is returned, not logged
     monkeypatch.setattr(report, "_steps", threading.local())  # as in a fresh process
     count = [10]
-    monkeypatch.setattr(state, "launches", lambda: count[0])
+    monkeypatch.setattr(state, "thread_launches", lambda: count[0])
     line = report.step_summary("a", tier="device", nbytes=1, seconds=None, peak_bytes=None)
     assert "route=triton, launches=10" in line  # every launch since the process started, for a first line
 
@@ -313,6 +313,29 @@ def test_summary_line_names_the_route_and_launches(monkeypatch):
     count[0] += 2
     clock.stop()
     assert clock.launches == 2
+
+
+def test_a_step_counts_its_own_threads_launches_only():
+    """Launches another thread issues (a warm-up, a user's own work) during a step are the process's, not the
+    step's: the summary line of a step on this thread does not count them."""
+    from ztriton.integrations.deepspeed import report
+
+    def elsewhere():
+        for _ in range(5):
+            state.count_launch()
+
+    total, mine = state.launches(), state.thread_launches()
+
+    def work():
+        worker = threading.Thread(target=elsewhere)
+        worker.start()
+        worker.join()
+        state.count_launch()
+
+    _, _, _ = report.timed(work)
+    assert state.launches() == total + 6 and state.thread_launches() == mine + 1
+    line = report.step_summary("a", tier="device", nbytes=1, seconds=None, peak_bytes=None)
+    assert "route=triton, launches=1" in line
 
 
 DEFAULT_FLOWS = """

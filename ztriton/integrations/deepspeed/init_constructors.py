@@ -42,6 +42,7 @@ def init_add_tensor_creation_wrappers(original, self):
     device = torch.device(self.local_device) if DeepSpeedTensorOverride.device in overrides else torch.device("cpu")
     _stop_recording(self)  # a wrapper pair left unbalanced by an exception: start afresh
     STATE.init(self).entered = time.perf_counter()
+    STATE.init(self).launched = report.launch_count()
     recorder = Recorder()  # fallbacks materialise on the device the tensor stands for: exact values
     recorder.__enter__()
     STATE.init(self).recorder = recorder
@@ -69,7 +70,8 @@ def _summarise(init) -> None:
         return
     how = "sharded init + partition" if state.sharded_params else "partition"
     report.step_summary("zero.Init", tier=how, nbytes=state.done_bytes, seconds=time.perf_counter() - state.entered,
-                        peak_bytes=None, params=state.done_params, sharded=state.sharded_params)
+                        peak_bytes=None, launches=report.launch_count() - state.launched, params=state.done_params,
+                        sharded=state.sharded_params)
     state.entered = None
 
 

@@ -24,19 +24,24 @@ from typing import Any, Callable
 from ztriton.memory import format_bytes, measure_peak
 from ztriton.progress import Bar, bar
 
-__all__ = ["StreamClock", "banner", "format_seconds", "progress", "step_summary", "summary_later", "timed",
+__all__ = ["StreamClock", "banner", "format_seconds", "launch_count", "progress", "step_summary", "summary_later", "timed",
            "timed_on_stream", "warn_once"]
 
 _said: set[str] = set()  # banners and warnings already logged by this process
-# Kernel launches per step: the count at this thread's last summary line, and a timed step's own count.
+# Kernel launches per step (this thread's): the count at this thread's last summary line, and a timed step's own.
 _steps = threading.local()
 
 
 def _launches() -> int:
-    """Kernel launches this process has issued (``ztriton.kernels.state``; importing it imports no triton)."""
+    """Kernel launches this thread has issued (``ztriton.kernels.state``; importing it imports no triton)."""
     from ztriton.kernels import state
 
-    return state.launches()
+    return state.thread_launches()
+
+
+def launch_count() -> int:
+    """This thread's kernel launches so far: read at a step's start, the step's are the difference at its end."""
+    return _launches()
 
 
 def _route(launches: int | None) -> str:

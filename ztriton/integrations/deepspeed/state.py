@@ -35,6 +35,7 @@ class InitState:
     done_params: int = 0
     sharded_params: int = 0  # of done_params: initialised shard by shard (exact sharded init)
     entered: float | None = None  # perf_counter() when its context was entered (the summary's time)
+    launched: int = 0  # this thread's kernel launches when its context was entered (the summary's count)
     told_unwatchable: bool = False  # the "created in full: the recorder cannot watch it" line was logged
     recorder: Any = None  # the sharded_init.Recorder while its constructors are patched (the top-level Init's)
 
