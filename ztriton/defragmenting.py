@@ -177,7 +177,7 @@ def _copy_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], places: _Pla
     if local and kernels_run_on(flat.device):
         # A pack: every partition whole at its offset, and zeros where none is (the evicted ones' places, written
         # below). Cheaper to plan than the same copy as slices: one int column, not a tuple per partition.
-        pack(flat, [memory.unit_strided(t) for t in local], at, fresh=True)
+        pack(flat, local, at, fresh=True)
     else:
         torch_run(flat, [Piece(memory.unit_strided(t), 0, n, o) for t, n, o in zip(local, sizes, at) if n])
     if away:

@@ -71,7 +71,8 @@ def unit_strided(tensor: torch.Tensor) -> torch.Tensor:
 
     torch ignores the strides of size-1 dims (and every stride of a tensor of at most one element) when it
     decides contiguity, so a slice ``x[3::2][:1]`` is contiguous with stride 2; viewing it as 1-D or as
-    bytes needs the strides a new tensor has. Every contiguous source handed to a copy goes through this."""
+    bytes needs the strides a new tensor has. Every contiguous source handed to torch's copies goes through this;
+    the kernels' packs need not (they read a contiguous source's elements from its address, whatever those strides)."""
     shape = tensor.shape
     if (1 not in shape and 0 not in shape) or not tensor.is_contiguous():
         return tensor

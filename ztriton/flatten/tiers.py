@@ -306,9 +306,9 @@ def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[
     """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device. The
     sources are read in place (params as they are: neither path records autograd). ``dst`` is always a buffer
     just allocated for the result, dropped on an error: the pack checks and copies the params in turns."""
-    sources = [memory.unit_strided(src) for src in sources]
     if kernels_run_on(dst.device):
         pack(dst, sources, offsets, window, fresh=True)
         return
+    sources = [memory.unit_strided(src) for src in sources]
     logger.info("ztriton: CPU tensors without TRITON_INTERPRET=1, packing with torch instead of the kernels")
     torch_pack(dst, sources, offsets, window)
