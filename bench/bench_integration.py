@@ -451,7 +451,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8, help="(a), (b): simulated world size")
     parser.add_argument("--c-worlds", type=int, nargs="+", default=[8, 1], help="(c): simulated world sizes")
     parser.add_argument("--no-offload", action="store_true", help="(a): skip the offload_param cpu case")
-    parser.add_argument("--host-init-bytes", type=int, default=None,
+    parser.add_argument("--sharded-init-bytes", type=int, default=None,
                         help="key on: ztriton.sharded_init_bytes (default: the library's own choice)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS,

@@ -123,17 +123,19 @@ def early_turn(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
                ) -> tuple[np.ndarray, PackPieces] | None:
     """The indices and pieces of a pack's early turn (module docstring): the FIRST_TURN sources with the most
     room before the next offset (dst's end for the last), each of which fits its room and dst. None where the
-    job goes as :func:`run_fresh` alone: too few pieces or bytes for turns, offsets that are not plain ints in
-    range, or a chosen source that is not a tensor or does not fit (the whole job's checks then name it)."""
+    job goes as :func:`run_fresh` alone: too few pieces or bytes for turns, a dst or offsets that are not a tensor
+    and plain ints in range, or a chosen source that is not a tensor or does not fit (the whole job's checks then
+    name it before any write). A fault in a source the early turn does not take is found after its writes."""
     n = len(sources) if isinstance(sources, (list, tuple)) else 0
-    if not EARLY_TURN or n <= MIN_PIECES or not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
-            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n:
+    if not EARLY_TURN or n <= MIN_PIECES or not isinstance(dst, torch.Tensor) or \
+            not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
+            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n or not {type(o) for o in offsets} <= {int}:
         return None
     try:
-        begin = np.array(offsets)  # ints become int64; floats, other objects or huge ints do not
-    except (TypeError, ValueError, OverflowError):
+        begin = np.array(offsets, dtype=np.int64)
+    except OverflowError:
         return None
-    if begin.dtype != np.int64 or begin.ndim != 1 or not within_index_limit(begin) or bool((begin < 0).any()):
+    if not within_index_limit(begin) or bool((begin < 0).any()):
         return None
     order = np.argsort(begin, kind="stable")
     room = np.empty(n, dtype=np.int64)
@@ -160,12 +162,14 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     with the whole job but not copied again."""
     done = np.zeros(0, dtype=np.int64) if done is None else done
     if not isinstance(pieces, PackPieces) or not (len(done) or _may_lead(dst, pieces) or worth_turns(dst, pieces)):
+        if len(done):
+            raise TypeError("run_fresh: done needs the pieces as PackPieces")  # would copy them twice
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
-    check_launchable(dst)  # as one plan's: even when every piece leads and no plan is made
-    zeros = as_zero_ranges(zero_ranges, dst)
-    with _errors_as_one_plan(dst, pieces, zeros, what):
+    with _errors_as_one_plan(dst, pieces, zero_ranges, what):
+        zeros = as_zero_ranges(zero_ranges, dst)
+        check_launchable(dst)  # as one plan's (after its checks of the pieces): even when every piece leads
         _check_destinations(dst, pieces, zeros, what)
     # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
     left = np.ones(len(pieces), dtype=bool)

@@ -663,3 +663,39 @@ def test_a_bad_source_in_the_early_turn_is_named_by_its_index_in_the_whole_job_b
         pack(dst, sources, offsets, fresh=True)
     assert str(fresh.value) == str(whole.value) and f"sources[{bad}]" in str(fresh.value)
     assert bool((dst == 7.0).all())  # the early turn's plan checks its pieces before its first byte
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monkeypatch, early):
+    """One plan checks the pieces before the device: a bad source is named even where the kernels cannot run."""
+    monkeypatch.setattr(turns_module, "EARLY_TURN", early)
+
+    def cannot_run(dst):
+        raise ValueError("the kernels cannot run here")
+
+    monkeypatch.setattr(turns_module, "check_launchable", cannot_run)
+    monkeypatch.setattr(plan_module, "check_launchable", cannot_run)
+    sources, offsets, at = _roomy_job()
+    sources[150] = sources[150].to(torch.float64)
+    with pytest.raises(TypeError) as whole:
+        pack(torch.empty(at, device=DEVICE), sources, offsets)
+    with pytest.raises(TypeError) as fresh:
+        pack(torch.empty(at, device=DEVICE), sources, offsets, fresh=True)
+    assert str(fresh.value) == str(whole.value) and "sources[150]" in str(fresh.value)
+    sources[150] = sources[150].to(torch.float32)
+    with pytest.raises(ValueError, match="cannot run here"):
+        pack(torch.empty(at, device=DEVICE), sources, offsets, fresh=True)
+
+
+def test_a_dst_that_is_not_a_tensor_gets_the_one_plans_error():
+    sources, offsets, _ = _roomy_job()
+    for dst in (None, np.zeros(10)):
+        with pytest.raises(TypeError, match="dst must be a torch.Tensor"):
+            pack(dst, sources, offsets, fresh=True)
+
+
+def test_bool_offsets_take_no_early_turn():
+    sources, offsets, at = _roomy_job()
+    offsets[1] = True
+    dst = torch.empty(at, device=DEVICE)
+    assert turns_module.early_turn(dst, sources, offsets) is None
