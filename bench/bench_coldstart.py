@@ -216,6 +216,9 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     out["process_seconds"] = time.perf_counter() - STARTED
     out["ztriton_lines"] = lines
     import ztriton.kernels  # (after the timed steps) which checkout this cell ran: --ab-tree's check
+    from ztriton.kernels import state
+
+    out["launches"] = state.launches()  # the kernels' launches in this process's steps (0: torch's copies only)
 
     out["ztriton_from"] = [str(Path(m.__file__).resolve().parent.parent) for m in (ztriton, ztriton.kernels)]
     if spent is not None:
@@ -340,7 +343,8 @@ def main(argv=None) -> int:
                 continue
             steps = ", ".join(f"{k[:-8]} {v:.2f} s" for k, v in result.items()
                               if k.endswith("_seconds") and k not in ("wall_seconds",))
-            print(f"[coldstart] {key}: {steps}, wall {result['wall_seconds']:.1f} s", flush=True)
+            print(f"[coldstart] {key}: {steps}, launches {result.get('launches')}, wall {result['wall_seconds']:.1f} s",
+                  flush=True)
             if "exit_code" in result:
                 print(f"[coldstart] {key}: the process died at exit (code {result['exit_code']}) after its "
                       f"step finished:\n{result['exit_tail'][-400:]}", flush=True)
