@@ -32,23 +32,19 @@ _said: set[str] = set()  # banners and warnings already logged by this process
 _steps = threading.local()
 
 
-def _launches() -> int:
-    """Kernel launches this thread has issued (``ztriton.kernels.state``; importing it imports no triton)."""
+def launch_count() -> int:
+    """This thread's kernel launches so far (``ztriton.kernels.state``; importing it imports no triton): read at a
+    step's start, the step's are the difference at its end."""
     from ztriton.kernels import state
 
     return state.thread_launches()
-
-
-def launch_count() -> int:
-    """This thread's kernel launches so far: read at a step's start, the step's are the difference at its end."""
-    return _launches()
 
 
 def _route(launches: int | None) -> str:
     """The summary's route field: ``route=triton, launches=N`` where kernels ran, ``route=torch`` otherwise."""
     if launches is None:
         at = getattr(_steps, "last_line", 0)
-        launches = _launches() - at
+        launches = launch_count() - at
     return f"route=triton, launches={launches}" if launches > 0 else "route=torch"
 
 
@@ -132,7 +128,7 @@ def step_summary(step: str, *, tier: str | None, nbytes: int, seconds: float | N
     took = "n/a" if seconds is None else format_seconds(seconds)
     peak = "n/a" if peak_bytes is None else format_bytes(peak_bytes)
     route = _route(getattr(_steps, "timed", None) if launches is None else launches)
-    _steps.timed, _steps.last_line = None, _launches()
+    _steps.timed, _steps.last_line = None, launch_count()
     details = "".join(f", {key}={value}" for key, value in extra.items())
     line = (f"ztriton: {step}: tier={tier or 'none'}, {format_bytes(nbytes)} in {took}{rate}, "
             f"peak device {peak}, {route}{details}")
@@ -164,9 +160,9 @@ def timed(work: Callable[[], Any]) -> tuple[Any, float, int | None]:
     :func:`step_summary` on this thread."""
     import torch
 
-    before = _launches()
+    before = launch_count()
     out, seconds, peak = measure_peak(work)
-    _steps.timed = _launches() - before
+    _steps.timed = launch_count() - before
     return out, seconds, peak if torch.cuda.is_available() else None
 
 
@@ -187,13 +183,13 @@ class StreamClock:
             self._events[0].record(torch.cuda.current_stream(device))
             self._device = device
         self._start, self._host = time.perf_counter(), None
-        self._launched_before, self.launches = _launches(), None
+        self._launched_before, self.launches = launch_count(), None
 
     def stop(self) -> None:
         import torch
 
         self._host = time.perf_counter() - self._start
-        self.launches = _launches() - self._launched_before  # kernel launches issued by the work
+        self.launches = launch_count() - self._launched_before  # kernel launches issued by the work
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self._device))
 
