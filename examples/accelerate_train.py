@@ -34,4 +34,7 @@ accelerator.save_state(f"{output_dir}/checkpoint")  # the ZeRO checkpoint (optim
 accelerator.unwrap_model(model).save_pretrained(output_dir, state_dict=accelerator.get_state_dict(model),
                                                 is_main_process=accelerator.is_main_process,
                                                 save_function=accelerator.save)
-accelerator.end_training()  # releases the process group before exit (gloo's threads abort a shutdown without it)
+# Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
+# which needs the GIL, and an interpreter shutting down under it aborts the process.
+accelerator.wait_for_everyone()
+accelerator.end_training()

@@ -42,5 +42,7 @@ for step in range(steps):
         print(f"step {step + 1}: loss {loss.item()!r}")
 engine.save_checkpoint(cli.output_dir)  # the ZeRO checkpoint; zero_to_fp32 makes a plain state dict of it
 
-# Release the process group before exit: gloo's worker threads outliving it abort the process at shutdown.
+# Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
+# which needs the GIL, and an interpreter shutting down under it aborts the process.
+deepspeed.comm.barrier()
 deepspeed.comm.destroy_process_group()

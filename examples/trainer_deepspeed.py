@@ -33,6 +33,8 @@ trainer = Trainer(model=model, args=args, train_dataset=dataset)
 trainer.train(resume_from_checkpoint=cli.resume)
 trainer.save_model()
 
-# Release the process group before exit: gloo's worker threads outliving it abort the process at shutdown.
+# Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
+# which needs the GIL, and an interpreter shutting down under it aborts the process.
 if torch.distributed.is_initialized():
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
