@@ -10,19 +10,13 @@ nothing anyone reads yet: a failure half way through leaves only a buffer that i
 pieces go first: the device then has the most to copy while the host checks the many small ones (the order
 of the writes does not matter, their destinations are disjoint), and the zero ranges go last. What never
 changes: what no turn could check alone (destination ranges disjoint across the whole job, the zero ranges
-inside dst) is checked before any byte is written, but for a pack's early turn (below); each turn is checked in
-full before its own bytes are written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
+inside dst) is checked before any byte is written; each turn is checked in full before its own bytes are
+written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
 its index in the whole job, as a single plan's would.
 
 Turns pay only where the device has something to overlap: on the kernels' route (more than
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
 host's check of the next.
-
-A pack (no window) goes one step further (:func:`pack_fresh`): its **early turn** is chosen and copied before the
-whole job's pieces are built, from the offsets alone: the sources with the most room before the next offset, each
-checked against that room, dst and its own source as any turn's pieces are. Building every piece (a ``numel`` per
-source) and checking the whole job's destinations then happen while the device copies it; an overlap found there is
-raised after the early turn's writes, which a fresh dst allows.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
@@ -41,15 +35,15 @@ import numpy as np
 
 import torch
 
-from .checks import as_zero_ranges, check_disjoint, check_dst, within_index_limit
-from .pieces import PackPieces, Piece, pack_pieces
+from .checks import as_zero_ranges, check_disjoint, check_dst
+from .pieces import PackPieces, Piece
 from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
 from .tuning import KERNELS_ONLY
 from .validation import validate
 
-__all__ = ["early_turn", "lead", "pack_fresh", "run_fresh", "schedule", "turns", "worth_turns"]
+__all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches) is paid a few times only.
@@ -65,8 +59,6 @@ MIN_MEAN_BYTES = 4 << 20
 # Pieces of at least this many bytes go first, as torch copies (module docstring): the device copies one of them
 # in longer than the host takes to issue the next, so it stays ahead whatever the host. Smaller leads did not pay.
 LEAD_BYTES = 256 << 20
-# Whether :func:`pack_fresh` copies an early turn (module docstring); off: the first turn waits for every piece.
-EARLY_TURN = True
 
 
 def turns(n: int, first: int | None = None, growth: int | None = None, last: int | None = None
@@ -83,11 +75,10 @@ def turns(n: int, first: int | None = None, growth: int | None = None, last: int
         a, size = b, min(last, growth * size)
 
 
-def schedule(pieces: PackPieces, first: int | None = None) -> list[np.ndarray]:
-    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes (from a
-    first turn of ``first`` pieces, by default FIRST_TURN)."""
+def schedule(pieces: PackPieces) -> list[np.ndarray]:
+    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
     order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
-    return [order[a:b] for a, b in turns(len(order), first)]
+    return [order[a:b] for a, b in turns(len(order))]
 
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
@@ -98,72 +89,15 @@ def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
     return moved >= MIN_MEAN_BYTES * len(pieces)
 
 
-def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-               window: tuple[int, int] | None = None, what: str = "sources") -> None:
-    """:func:`~ztriton.kernels.ops.pack` into a ``dst`` just allocated for it: :func:`run_fresh` of the pack's
-    pieces, after an early turn (:func:`early_turn`) where the job allows one. The same bytes and, for a bad
-    argument, the same error as one plan, named by its index in the whole job."""
-    early = early_turn(dst, sources, offsets) if window is None else None
-    if early is None:
-        run_fresh(dst, *pack_pieces(dst, sources, offsets, window), what=what)
-        return
-    indices, pieces = early
-    try:
-        check_dst(dst)
-        check_launchable(dst)
-        make_plan(dst, pieces, (), KERNELS_ONLY, what=what, run_now=True).launch()
-    except (TypeError, ValueError):
-        # The error one plan of the whole job raises (the culprit by its index in it), where it raises one.
-        validate(dst, *pack_pieces(dst, sources, offsets), what=what)
-        raise
-    run_fresh(dst, *pack_pieces(dst, sources, offsets), what=what, done=indices)
-
-
-def early_turn(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
-               ) -> tuple[np.ndarray, PackPieces] | None:
-    """The indices and pieces of a pack's early turn (module docstring): the FIRST_TURN sources with the most
-    room before the next offset (dst's end for the last), each of which fits its room and dst. None where the
-    job goes as :func:`run_fresh` alone: too few pieces or bytes for turns, a dst or offsets that are not a tensor
-    and plain ints in range, or a chosen source that is not a tensor or does not fit (the whole job's checks then
-    name it before any write). A fault in a source the early turn does not take is found after its writes."""
-    n = len(sources) if isinstance(sources, (list, tuple)) else 0
-    if not EARLY_TURN or n <= MIN_PIECES or not isinstance(dst, torch.Tensor) or \
-            not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
-            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n or not {type(o) for o in offsets} <= {int}:
-        return None
-    try:
-        begin = np.array(offsets, dtype=np.int64)
-    except OverflowError:
-        return None
-    if not within_index_limit(begin) or bool((begin < 0).any()):
-        return None
-    order = np.argsort(begin, kind="stable")
-    room = np.empty(n, dtype=np.int64)
-    room[order[:-1]] = np.diff(begin[order])
-    room[order[-1]] = dst.numel() - begin[order[-1]]
-    chosen = np.argsort(-room, kind="stable")[:FIRST_TURN]
-    picked = [sources[i] for i in chosen.tolist()]
-    if not all(isinstance(src, torch.Tensor) for src in picked):
-        return None
-    count = np.array([src.numel() for src in picked], dtype=np.int64)
-    if bool((count > room[chosen]).any()) or bool((begin[chosen] + count > dst.numel()).any()):
-        return None
-    return chosen, PackPieces(picked, np.zeros_like(count), count, begin[chosen], count)
-
-
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              what: str = "sources", done: np.ndarray | None = None) -> None:
+              what: str = "sources") -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
     of the result (drop it). The sources are only read, as dst's contract requires: a source lying inside dst (which
     a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
-    copies wrote over it. ``done``: the indices of pieces already copied (:func:`pack_fresh`'s early turn), checked
-    with the whole job but not copied again."""
-    done = np.zeros(0, dtype=np.int64) if done is None else done
-    if not isinstance(pieces, PackPieces) or not (len(done) or _may_lead(dst, pieces) or worth_turns(dst, pieces)):
-        if len(done):
-            raise TypeError("run_fresh: done needs the pieces as PackPieces")  # would copy them twice
+    copies wrote over it."""
+    if not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or worth_turns(dst, pieces)):
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
@@ -171,21 +105,20 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         zeros = as_zero_ranges(zero_ranges, dst)
         check_launchable(dst)  # as one plan's (after its checks of the pieces): even when every piece leads
         _check_destinations(dst, pieces, zeros, what)
-    # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
-    left = np.ones(len(pieces), dtype=bool)
-    left[done] = False
     first = lead(dst, pieces)
-    first = first[left[first]]
+    rest = pieces
     if len(first):
         _copy_lead(dst, pieces, first)
+        # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
+        left = np.ones(len(pieces), dtype=bool)
         left[first] = False
-    rest = pieces if bool(left.all()) else pieces.take(np.flatnonzero(left))
+        rest = pieces.take(np.flatnonzero(left))
     if not worth_turns(dst, rest):
         if len(rest) or len(zeros):
             with _errors_as_one_plan(dst, pieces, zeros, what):
                 run_plan(dst, rest, zeros, what=what)
         return
-    each_turn = schedule(rest, FIRST_TURN * GROWTH if len(done) else None)
+    each_turn = schedule(rest)
     no_zeros = zeros[:0]
     for t, indices in enumerate(each_turn):
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.

@@ -27,12 +27,6 @@ def small_pieces_go_in_turns(monkeypatch):
     monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 0)
 
 
-@pytest.fixture
-def no_early_turn(monkeypatch):
-    """For the tests of run_fresh's own order (lead, turns): a pack's early turn would take some pieces first."""
-    monkeypatch.setattr(turns_module, "EARLY_TURN", False)
-
-
 def planned_turns(monkeypatch) -> list:
     """Record the pieces and zero ranges of each plan :func:`run_fresh` makes."""
     made = []
@@ -118,7 +112,7 @@ def test_fresh_pack_slices_is_pack_slices(route):
     assert torch.equal(bits(got), bits(expected))
 
 
-def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(no_early_turn, monkeypatch):
+def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     """The copy really goes in turns (:func:`turns`' sizes): the biggest first (the device gets the most to copy
     while the host checks the rest), every zero range in the last turn."""
     made = planned_turns(monkeypatch)
@@ -370,7 +364,7 @@ def _recorded_lead(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["one plan after", "turns after"])
-def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(no_early_turn, route, monkeypatch, many):
+def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(route, monkeypatch, many):
     monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 2)  # 8 bf16 elements
     led, made = _recorded_lead(monkeypatch), planned_turns(monkeypatch)
     counts = [3, 9, 1, 12, 8, 7, 12, 2] * (N // 8 if many else 1)
@@ -552,7 +546,7 @@ def test_a_one_element_source_with_any_stride_leads(monkeypatch):
     assert torch.equal(bits(dst), bits(expected)) and sorted(led[0]) == [0, 1]
 
 
-def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whole_job(no_early_turn, monkeypatch):
+def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whole_job(monkeypatch):
     """Some pieces lead, the rest goes in turns (re-indexed): the error still names the culprit as one plan does."""
     monkeypatch.setattr(turns_module, "LEAD_BYTES", 10 * 4)  # sources_of makes 1-9 elements: only these three lead
     led = _recorded_lead(monkeypatch)
@@ -569,7 +563,7 @@ def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whol
     assert led == [[2, 40, 90]] and f"sources[{bad}]" in str(fresh.value) and str(fresh.value) == str(whole.value)
 
 
-# ---------------------------------------------------------------------------------------------- a pack's early turn
+# ------------------------------------------------------------------------------------------ a fresh pack's errors
 
 
 def _roomy_job(n: int = N, seed: int = 21):
@@ -583,65 +577,17 @@ def _roomy_job(n: int = N, seed: int = 21):
     return sources, offsets, at
 
 
-def test_the_early_turn_takes_the_sources_with_the_most_room_then_the_rest_in_turns(monkeypatch):
-    """The first plan holds the FIRST_TURN sources with the most room before the next offset (ties in index order),
-    made before any other source is read; every other piece follows in turns; the bytes are the pack's."""
-    made = planned_turns(monkeypatch)
-    sources, offsets, at = _roomy_job()
-    room = np.diff(np.array(offsets + [at]))
-    chosen = np.argsort(-room, kind="stable")[:FIRST_TURN]
-    dst = torch.full((at,), float("nan"), device=DEVICE)
-    pack(dst, sources, offsets, fresh=True)
-    assert [id(s) for s in made[0][0].sources] == [id(sources[k]) for k in chosen.tolist()]
-    assert sorted(id(s) for p, _, _ in made for s in p.sources) == sorted(id(s) for s in sources)  # each once
-    assert len(made) > 2 and not len(made[0][1])  # no zero range in the early turn
-    expected = torch.empty_like(dst)
-    pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
-
-
-@pytest.mark.parametrize("case", ["window", "few pieces", "float offsets", "numpy offsets", "not a tensor",
-                                  "past its room", "too few bytes"])
-def test_no_early_turn_where_the_offsets_alone_cannot_choose_it(monkeypatch, case):
-    """The job then goes as run_fresh alone: its whole-job checks come before any write."""
-    sources, offsets, at = _roomy_job()
-    dst = torch.empty(at, device=DEVICE)
-    if case == "few pieces":
-        sources, offsets = sources[:MIN_PIECES], offsets[:MIN_PIECES]
-    elif case == "float offsets":
-        offsets = [float(o) for o in offsets]
-    elif case == "numpy offsets":
-        offsets = np.array(offsets)
-    elif case == "not a tensor":
-        sources[int(np.argmax(np.diff(offsets + [at])))] = [1.0]
-    elif case == "past its room":  # the roomiest source grows into the next offset
-        k = int(np.argmax(np.diff(offsets + [at])))
-        sources[k] = torch.zeros(offsets[k + 1] - offsets[k] + 1, device=DEVICE)
-    elif case == "too few bytes":
-        monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", at)
-    assert turns_module.early_turn(dst, sources, offsets) is None or case == "window"
-    if case == "window":
-        called = []
-        monkeypatch.setattr(turns_module, "early_turn", lambda *a: called.append(a))
-        pack(dst[:100], sources, offsets, (3, 103), fresh=True)
-        assert not called
-
-
 @pytest.mark.parametrize("fault", ["overlap", "past dst"])
-def test_an_error_the_early_turn_cannot_see_is_raised_as_one_plan_raises_it_and_no_source_changes(fault):
-    """A source outside the early turn reaches into an early-turn source's destination, or past dst's end: the
-    whole job's checks, made while the device copies the early turn, raise one plan's error (a fresh dst is then
-    dropped)."""
+def test_an_overlap_or_a_source_past_dst_is_raised_as_one_plan_raises_it_and_no_source_changes(fault):
+    """A source reaches into the next source's destination, or past dst's end: a fresh pack raises one plan's
+    error."""
     sources, offsets, at = _roomy_job()
-    room = np.diff(np.array(offsets + [at]))
-    chosen = set(np.argsort(-room, kind="stable")[:FIRST_TURN].tolist())
     if fault == "overlap":
-        victim = next(k for k in range(1, len(sources)) if k in chosen and k - 1 not in chosen)
+        victim = 100
         sources[victim - 1] = torch.ones(offsets[victim] - offsets[victim - 1] + 1, device=DEVICE)  # one over
         culprit = victim - 1
     else:
         culprit = len(sources) - 1
-        assert culprit not in chosen
         sources[culprit] = torch.ones(at - offsets[culprit] + 1, device=DEVICE)  # one element past dst's end
     before = [bits(s).clone() for s in sources]
     with pytest.raises(ValueError) as whole:
@@ -652,23 +598,8 @@ def test_an_error_the_early_turn_cannot_see_is_raised_as_one_plan_raises_it_and_
     assert all(torch.equal(bits(s), b) for s, b in zip(sources, before))
 
 
-def test_a_bad_source_in_the_early_turn_is_named_by_its_index_in_the_whole_job_before_any_write():
-    sources, offsets, at = _roomy_job()
-    bad = int(np.argsort(-np.diff(np.array(offsets + [at])), kind="stable")[5])  # in the early turn
-    sources[bad] = sources[bad].to(torch.float64)
-    with pytest.raises(TypeError) as whole:
-        pack(torch.empty(at, device=DEVICE), sources, offsets)
-    dst = torch.full((at,), 7.0, device=DEVICE)
-    with pytest.raises(TypeError) as fresh:
-        pack(dst, sources, offsets, fresh=True)
-    assert str(fresh.value) == str(whole.value) and f"sources[{bad}]" in str(fresh.value)
-    assert bool((dst == 7.0).all())  # the early turn's plan checks its pieces before its first byte
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monkeypatch, early):
+def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monkeypatch):
     """One plan checks the pieces before the device: a bad source is named even where the kernels cannot run."""
-    monkeypatch.setattr(turns_module, "EARLY_TURN", early)
 
     def cannot_run(dst):
         raise ValueError("the kernels cannot run here")
@@ -692,10 +623,3 @@ def test_a_dst_that_is_not_a_tensor_gets_the_one_plans_error():
     for dst in (None, np.zeros(10)):
         with pytest.raises(TypeError, match="dst must be a torch.Tensor"):
             pack(dst, sources, offsets, fresh=True)
-
-
-def test_bool_offsets_take_no_early_turn():
-    sources, offsets, at = _roomy_job()
-    offsets[1] = True
-    dst = torch.empty(at, device=DEVICE)
-    assert turns_module.early_turn(dst, sources, offsets) is None
