@@ -67,8 +67,16 @@ def test_wheel_ships_the_start_up_hook_at_the_top_of_site_packages(tmp_path):
     import zipfile
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import shutil
+
+    # From a copy without build/: setuptools would otherwise ship what an earlier build left there.
+    source = tmp_path / "source"
+    for folder in ("ztriton", "kernels", "tools"):
+        shutil.copytree(os.path.join(repo, folder), source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(repo, name), source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path), repo], capture_output=True, text=True, timeout=300)
+                           str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("ztriton-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -77,6 +85,14 @@ def test_wheel_ships_the_start_up_hook_at_the_top_of_site_packages(tmp_path):
     with open(os.path.join(repo, "tools", "ztriton-autoload.pth")) as handle:
         assert hook == handle.read()
     assert not [n for n in names if n.startswith(("tools/", "tests/", "kernels/"))]
+    # Every module of the checkout, in the wheel (pyproject lists the packages one by one: a new subpackage left
+    # out of it imports from the checkout and breaks every pip install).
+    from pathlib import Path
+
+    root = Path(repo)
+    sources = {p.relative_to(root).as_posix() for p in (root / "ztriton").rglob("*.py")}
+    sources |= {"ztriton/" + p.relative_to(root).as_posix() for p in (root / "kernels").rglob("*.py")}
+    assert sources - set(names) == set(), "modules missing from the wheel (add their package to pyproject)"
 
 
 def test_editable_install_ships_the_start_up_hook(tmp_path):
