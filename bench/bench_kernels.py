@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import cpu_fallback  # noqa: E402
 
 cpu_fallback()  # --planning on a CPU
-from bench.harness import RESULTS, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
+from bench.harness import RESULTS, best_host_ms, gbps, plot_ratios, time_ms, torch_copy_gbps, write_result  # noqa: E402
 from ztriton.kernels import KERNELS_ONLY, Piece, Tuning, copy_chunk, make_plan, pack, pack_plan  # noqa: E402
 from bench.models import llm_mix, log_uniform_mix  # noqa: E402,F401  (bench_flatten imports llm_mix from here)
 from ztriton.testing import bits  # noqa: E402
@@ -232,15 +232,6 @@ def kernel_variants(plans) -> set:
 
 
 def bench_planning(figures) -> None:
-    def best_ms(fn, n=30):
-        fn()
-        best = float("inf")
-        for _ in range(n):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
-
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     b = log_uniform_mix() if gpu else [[max(1, s[0] // 64)] for s in log_uniform_mix()]
@@ -260,8 +251,8 @@ def bench_planning(figures) -> None:
                                                                 params, offsets, window=layout.rank_window(r))
                                                       for r in range(WORLD)]
         entry = {"tensors": len(params), "real_shapes": gpu,
-                 "plan_ms": best_ms(lambda: pack_plan(flat, params, offsets)),
-                 "window_plan_ms": best_ms(lambda: pack_plan(window, params, offsets, window=(w0, w1))),
+                 "plan_ms": best_host_ms(lambda: pack_plan(flat, params, offsets)),
+                 "window_plan_ms": best_host_ms(lambda: pack_plan(window, params, offsets, window=(w0, w1))),
                  "kernel_variants_full_and_8_windows": len(kernel_variants(plans))}
         figures[f"planning_{name}"] = entry
         print(f"planning {name:20s} full {entry['plan_ms']:.2f} ms, 1/8 window {entry['window_plan_ms']:.2f} ms, "

@@ -6,18 +6,13 @@ its first byte is written (address, size, dtype, device, layout), nothing else.
 Prints the best of 50 passes over ``--sources`` tensors: all five reads, and the address alone.
 """
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-
-def best_ms(fn, repeats: int = 50) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.harness import best_host_ms  # noqa: E402
 
 
 def main() -> None:
@@ -27,8 +22,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = torch.randint(1, 2000, (args.sources,), generator=torch.Generator().manual_seed(0)).tolist()
     sources = [torch.empty(n, device=args.device) for n in sizes]
-    every_check = best_ms(lambda: [(t.data_ptr(), t.numel(), t.dtype, t.device, t.is_contiguous()) for t in sources])
-    address = best_ms(lambda: [t.data_ptr() for t in sources])
+    every_check = best_host_ms(lambda: [(t.data_ptr(), t.numel(), t.dtype, t.device, t.is_contiguous()) for t in sources],
+                               50)
+    address = best_host_ms(lambda: [t.data_ptr() for t in sources], 50)
     print(f"{args.sources} sources on {args.device}: the five reads {every_check:.3f} ms, the address alone "
           f"{address:.3f} ms")
 
