@@ -35,6 +35,6 @@ accelerator.unwrap_model(model).save_pretrained(output_dir, state_dict=accelerat
                                                 is_main_process=accelerator.is_main_process,
                                                 save_function=accelerator.save)
 # Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
-# which needs the GIL, and an interpreter shutting down under it aborts the process.
+# which needs the GIL, and an interpreter shutting down under it aborts the process. The wait makes that rare.
 accelerator.wait_for_everyone()
 accelerator.end_training()

@@ -43,6 +43,6 @@ for step in range(steps):
 engine.save_checkpoint(cli.output_dir)  # the ZeRO checkpoint; zero_to_fp32 makes a plain state dict of it
 
 # Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
-# which needs the GIL, and an interpreter shutting down under it aborts the process.
+# which needs the GIL, and an interpreter shutting down under it aborts the process. The wait makes that rare.
 deepspeed.comm.barrier()
 deepspeed.comm.destroy_process_group()

@@ -34,7 +34,7 @@ trainer.train(resume_from_checkpoint=cli.resume)
 trainer.save_model()
 
 # Wait for every rank before exit: gloo's worker thread may still be freeing the last collective's tensors,
-# which needs the GIL, and an interpreter shutting down under it aborts the process.
+# which needs the GIL, and an interpreter shutting down under it aborts the process. The wait makes that rare.
 if torch.distributed.is_initialized():
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
