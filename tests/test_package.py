@@ -64,11 +64,11 @@ def test_demo_output_has_no_foreign_warnings(tmp_path):
 
 
 def test_wheel_ships_the_start_up_hook_at_the_top_of_site_packages(tmp_path):
+    import shutil
     import zipfile
+    from pathlib import Path
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    import shutil
-
     # From a copy without build/: setuptools would otherwise ship what an earlier build left there.
     source = tmp_path / "source"
     for folder in ("ztriton", "kernels", "tools"):
@@ -87,12 +87,10 @@ def test_wheel_ships_the_start_up_hook_at_the_top_of_site_packages(tmp_path):
     assert not [n for n in names if n.startswith(("tools/", "tests/", "kernels/"))]
     # Every module of the checkout, in the wheel (pyproject lists the packages one by one: a new subpackage left
     # out of it imports from the checkout and breaks every pip install).
-    from pathlib import Path
-
     root = Path(repo)
-    sources = {p.relative_to(root).as_posix() for p in (root / "ztriton").rglob("*.py")}
-    sources |= {"ztriton/" + p.relative_to(root).as_posix() for p in (root / "kernels").rglob("*.py")}
-    assert sources - set(names) == set(), "modules missing from the wheel (add their package to pyproject)"
+    modules = {p.relative_to(root).as_posix() for p in (root / "ztriton").rglob("*.py")}
+    modules |= {"ztriton/" + p.relative_to(root).as_posix() for p in (root / "kernels").rglob("*.py")}
+    assert modules - set(names) == set(), "modules missing from the wheel (add their package to pyproject)"
 
 
 def test_editable_install_ships_the_start_up_hook(tmp_path):

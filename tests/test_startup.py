@@ -30,11 +30,11 @@ SCRIPT = textwrap.dedent("""
     engine.backward(loss); engine.step()
     print("ZTRITON_LOADED", "ztriton" in sys.modules)
     engine.destroy()
-    # No interpreter finalisation: gloo's worker may still be freeing the last collective's tensors, which
-    # needs the GIL, and a finalising interpreter aborts it ("terminate called without an active exception").
     torch.distributed.destroy_process_group()
     sys.stdout.flush(); sys.stderr.flush()
-    import os; os._exit(0)  # nothing left to tear down that the test looks at
+    # No interpreter finalisation: gloo's worker may still be freeing the last collective's tensors, which
+    # needs the GIL, and a finalising interpreter aborts it ("terminate called without an active exception").
+    import os; os._exit(0)
 """)
 
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "TRITON_INTERPRET": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",

@@ -22,9 +22,13 @@ def main() -> None:
     args = parser.parse_args()
     sizes = torch.randint(1, 2000, (args.sources,), generator=torch.Generator().manual_seed(0)).tolist()
     sources = [torch.empty(n, device=args.device) for n in sizes]
-    every_check = best_host_ms(lambda: [(t.data_ptr(), t.numel(), t.dtype, t.device, t.is_contiguous()) for t in sources],
-                               50)
-    address = best_host_ms(lambda: [t.data_ptr() for t in sources], 50)
+    def read_every_check():
+        return [(t.data_ptr(), t.numel(), t.dtype, t.device, t.is_contiguous()) for t in sources]
+
+    def read_address():
+        return [t.data_ptr() for t in sources]
+
+    every_check, address = best_host_ms(read_every_check, 50), best_host_ms(read_address, 50)
     print(f"{args.sources} sources on {args.device}: the five reads {every_check:.3f} ms, the address alone "
           f"{address:.3f} ms")
 
