@@ -39,6 +39,14 @@ STEPS = [
     ("ztriton.kernels.plan", "make_plan", "plan (one)"),
     ("ztriton.flatten.groups", "_check_no_shared_memory", "no shared memory"),
     ("ztriton.flatten.groups", "_alias", "re-point params"),
+    # Inside the plans and launches above (their times are part of those steps'; no label starts with "plan").
+    ("ztriton.kernels.turns", "_check_destinations", "job's destination check"),
+    ("ztriton.kernels.turns", "schedule", "schedule"),
+    ("ztriton.kernels.plan", "validate", "validate"),
+    ("ztriton.kernels.plan", "kernel_plan", "kernel tables"),
+    ("ztriton.kernels.tables", "_to_device", "upload tables"),
+    ("ztriton.kernels.compiled", "launch", "launch (one kernel)"),
+    ("ztriton.kernels.compiled", "_load", "load a binary"),
 ]
 
 

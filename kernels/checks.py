@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 __all__ = ["as_index", "as_sequence", "as_zero_ranges", "byte_extent", "byte_extents", "check_disjoint", "check_dst",
-           "check_tensor", "first_true", "int64_column", "merged_dims", "show", "within_index_limit"]
+           "check_tensor", "each", "first_true", "int64_column", "merged_dims", "show", "within_index_limit"]
 
 _INDEX_LIMIT = 2**62
 
@@ -94,6 +94,18 @@ def check_dst(dst: torch.Tensor) -> None:
                          "pass a contiguous buffer or a contiguous view of one")
 
 
+def each(method: str, tensors: Sequence[torch.Tensor], kinds: set | None = None) -> list:
+    """``[t.method() for t in tensors]``: through torch.Tensor's own method where every tensor's type (``kinds``,
+    if the caller has them) inherits it unchanged, which skips each instance's attribute lookup (half the time of
+    a read for an ``nn.Parameter``, whose class chain is longer); else each instance's own method."""
+    own = getattr(torch.Tensor, method)
+    if kinds is None:
+        kinds = set(map(type, tensors))
+    if all(getattr(kind, method, None) is own for kind in kinds):
+        return list(map(own, tensors))
+    return [getattr(t, method)() for t in tensors]
+
+
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """``[first, last)`` bytes of memory that a view touches (empty views touch nothing)."""
     lo, numel = t.data_ptr(), t.numel()
@@ -108,9 +120,11 @@ def byte_extent(t: torch.Tensor) -> tuple[int, int]:
 def byte_extents(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """:func:`byte_extent` of each tensor as two int64 arrays (first bytes, ends): one read per attribute
     over all of them, and the walk over the dims only for the strided ones."""
-    lo = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    hi = lo + np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
-    for k in [k for k, t in enumerate(tensors) if not t.is_contiguous()]:
+    kinds = set(map(type, tensors))
+    lo = np.array(each("data_ptr", tensors, kinds), dtype=np.int64)
+    hi = lo + np.array(each("numel", tensors, kinds), dtype=np.int64) * \
+        np.array(each("element_size", tensors, kinds), dtype=np.int64)
+    for k in [k for k, dense in enumerate(each("is_contiguous", tensors, kinds)) if not dense]:
         hi[k] = byte_extent(tensors[k])[1]
     return lo, hi
 

@@ -30,6 +30,9 @@ _lock = threading.Lock()
 # (device index, variant) -> the loaded function, or None where this process found no usable entry.
 _functions: dict[tuple[int, str], Any] = {}
 _saved: set[str] = set()  # variants this process stored from its JIT launches
+# (device index, kernel, *meta items) -> _functions' entry for that variant (meta dicts are built in one key order).
+_by_meta: dict[tuple, Any] = {}
+_UNSEEN = object()
 
 
 def direct_enabled() -> bool:
@@ -79,14 +82,17 @@ def _fits(args: tuple, values: list[int]) -> bool:
 
 def _function(device_index: int, kernel: str, meta: dict[str, Any]):
     """The loaded function of this variant on this device, loading it from the cache the first time; None on a
-    miss or a failed load (remembered: the process asks the disk once per variant)."""
-    variant = cache.variant_name(kernel, meta)
-    slot = (device_index, variant)
-    if slot in _functions:
-        return _functions[slot]
+    miss or a failed load (remembered: the process asks the disk once per variant). Found by the meta's values
+    first: naming the variant hashes its meta, host time that every launch would pay again."""
+    key = (device_index, kernel, *meta.items())
+    function = _by_meta.get(key, _UNSEEN)
+    if function is not _UNSEEN:
+        return function
+    slot = (device_index, cache.variant_name(kernel, meta))
     with _lock:
         if slot not in _functions:
-            _functions[slot] = _load(device_index, variant)
+            _functions[slot] = _load(device_index, slot[1])
+        _by_meta[key] = _functions[slot]
     return _functions[slot]
 
 

@@ -24,6 +24,8 @@ _CU_FUNC_CACHE_PREFER_SHARED = 2
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 _ARG_TYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64}
 _lock = threading.Lock()
+# Context handle -> its device, as the driver answered once: every launch asks which context is current.
+_device_of: dict[int, int] = {}
 
 
 class DriverError(RuntimeError):
@@ -69,8 +71,11 @@ def _make_current(device_index: int) -> None:
     ctx = ctypes.c_void_p()
     _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     if ctx.value:
+        if _device_of.get(ctx.value) == device_index:
+            return
         current = ctypes.c_int()
         _check(lib.cuCtxGetDevice(ctypes.byref(current)), "cuCtxGetDevice")
+        _device_of[ctx.value] = current.value
         if current.value == device_index:
             return
     device = ctypes.c_int()

@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .checks import as_index, as_sequence, check_disjoint, check_dst, first_true, int64_column, show, \
+from .checks import as_index, as_sequence, check_disjoint, check_dst, each, first_true, int64_column, show, \
     within_index_limit
 
 __all__ = ["PackPieces", "Piece", "pack_pieces", "slices_to_pieces", "sources_of", "uncovered"]
@@ -92,7 +92,7 @@ def slices_to_pieces(dst: torch.Tensor, slices: Sequence[tuple[torch.Tensor, int
             return list(slices), zeros  # validate names the culprit
         # The common case: columns as a pack's, so that validation reads each source's attributes once.
         return PackPieces(sources, columns[:, 0], counts, offsets,
-                          np.array([src.numel() for src in sources], dtype=np.int64)), zeros
+                          np.array(each("numel", sources), dtype=np.int64)), zeros
     pieces = []
     for i, s in enumerate(slices):
         if isinstance(s, torch.Tensor) or not isinstance(s, (tuple, list)) or len(s) != 4:
@@ -131,11 +131,12 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     w0, w1 = _window(window, dst)
     # One pass per fact over thousands of sources (the first turn of a fresh pack waits for this): a type per
     # source, then its numel; one at a time only to name a culprit.
-    if not all(issubclass(kind, torch.Tensor) for kind in {type(src) for src in sources}):
+    kinds = set(map(type, sources))
+    if not all(issubclass(kind, torch.Tensor) for kind in kinds):
         for i, src in enumerate(sources):
             if not isinstance(src, torch.Tensor):
                 raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {show(src)}")
-    numels = np.array([src.numel() for src in sources], dtype=np.int64)
+    numels = np.array(each("numel", sources, kinds), dtype=np.int64)
     if not {type(o) for o in offsets} <= {int}:
         offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
     begin = int64_column(offsets, lambda i: f"offsets[{i}]")

@@ -7,16 +7,19 @@ over all sources at a time; anything else one piece at a time, which also names 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from .checks import as_index, as_sequence, as_zero_ranges, byte_extent, check_disjoint, check_dst, check_tensor, \
-    first_true, int64_column, merged_dims, show, within_index_limit
+    each, first_true, int64_column, merged_dims, show, within_index_limit
 from .pieces import PackPieces, Piece
 
 __all__ = ["Sources", "validate"]
+
+_DTYPE, _LAYOUT, _DEVICE = attrgetter("dtype"), attrgetter("layout"), attrgetter("device")
 
 
 @dataclass
@@ -68,21 +71,24 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
         return None
     if isinstance(pieces, PackPieces):  # sources checked to be tensors, ranges integers (pack_pieces)
         srcs = pieces.sources
+        kinds = set(map(type, srcs))
         ranges = np.stack([pieces.start, pieces.count, pieces.offset])
     else:
         if not all(isinstance(p, tuple) and len(p) == 4 for p in pieces):
             return None
         srcs, starts, counts, offsets = zip(*pieces)
-        if not all(issubclass(kind, torch.Tensor) for kind in {type(s) for s in srcs}) or \
+        kinds = set(map(type, srcs))
+        if not all(issubclass(kind, torch.Tensor) for kind in kinds) or \
                 {type(v) for v in starts + counts + offsets} != {int}:
             return None
         ranges = None
-    if {s.dtype for s in srcs} != {dst.dtype} or {s.layout for s in srcs} != {torch.strided}:
+    # One attribute of every source per pass, each a C call mapped over the list: thousands of sources per plan.
+    if set(map(_DTYPE, srcs)) != {dst.dtype} or set(map(_LAYOUT, srcs)) != {torch.strided}:
         return None
-    devices = {s.device for s in srcs}
+    devices = set(map(_DEVICE, srcs))
     if any(d.type == "meta" for d in devices) or (same_device and devices != {dst.device}):
         return None
-    if not all([s.is_contiguous() for s in srcs]) or any([s.is_neg() for s in srcs]):
+    if not all(each("is_contiguous", srcs, kinds)) or any(each("is_neg", srcs, kinds)):
         return None
     if ranges is None:
         try:
@@ -93,8 +99,8 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
             return None
     local = np.ones(len(srcs), dtype=bool) if devices == {dst.device} else \
         np.array([s.device == dst.device for s in srcs], dtype=bool)
-    numel = pieces.numel if isinstance(pieces, PackPieces) else np.array([s.numel() for s in srcs], dtype=np.int64)
-    lo = np.array([s.data_ptr() for s in srcs], dtype=np.int64)
+    numel = pieces.numel if isinstance(pieces, PackPieces) else np.array(each("numel", srcs, kinds), dtype=np.int64)
+    lo = np.array(each("data_ptr", srcs, kinds), dtype=np.int64)
     return Sources(*ranges, numel, lo, lo + numel * dst.element_size(), contiguous=np.ones(len(srcs), dtype=bool),
                    local=local)
 

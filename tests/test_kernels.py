@@ -802,6 +802,22 @@ def test_byte_extents_is_byte_extent_of_each():
     assert [(int(a), int(b)) for a, b in zip(lo, hi)] == [byte_extent(v) for v in views]
 
 
+def test_each_reads_through_a_subclass_s_own_method():
+    """checks.each maps torch.Tensor's method over tensors whose types inherit it (Parameters), but calls a
+    subclass's own override where one type has it: the fast path never skips a method a user's class defines."""
+    from ztriton.kernels.checks import each
+
+    class Counted(torch.Tensor):
+        def numel(self):
+            return -1
+
+    plain = [torch.zeros(3), torch.nn.Parameter(torch.zeros(5))]
+    assert each("numel", plain) == [3, 5]
+    odd = plain + [torch.zeros(7).as_subclass(Counted)]
+    assert each("numel", odd) == [3, 5, -1]
+    assert each("data_ptr", odd) == [t.data_ptr() for t in odd]
+
+
 @FAST
 @given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.bool, torch.uint8, torch.float64]))
 def test_torch_copies_take_pieces_side_by_side_in_one_storage_as_one_copy(data, dtype):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 import operator
+from operator import attrgetter
 import logging
 import warnings
 from dataclasses import dataclass, fields
@@ -18,9 +19,11 @@ from typing import Callable, Sequence
 import torch
 
 from ztriton import memory
+from ztriton.kernels.checks import each
 from ztriton.layout import is_int
 from ztriton.memory import GiB, MemoryInfo, MiB, format_bytes
 
+_LAYOUT, _IS_META = attrgetter("layout"), attrgetter("is_meta")
 logger = logging.getLogger("ztriton")
 
 # Memory kept free on the device for everything else (the caching allocator's fragmentation,
@@ -98,6 +101,12 @@ def check_tensor(tensor: object, name: str, hint: str = "") -> None:
 def check_tensors(tensors: Sequence[object], name_of: Callable[[int], str], hint: str = "") -> None:
     """:func:`check_tensor` for each of ``tensors`` (``name_of(i)`` names the i-th): one pass over thousands
     of plain contiguous tensors in the common case, the full check only for the others."""
+    kinds = set(map(type, tensors))
+    # The common case in one pass per attribute (each a C call mapped over the list), no per-tensor Python.
+    if all(issubclass(kind, torch.Tensor) for kind in kinds) and set(map(_LAYOUT, tensors)) <= {torch.strided} and \
+            not any(map(_IS_META, tensors)) and all(each("is_contiguous", tensors, kinds)) and \
+            not any(each("is_conj", tensors, kinds)) and not any(each("is_neg", tensors, kinds)):
+        return
     plain, tensor = torch.strided, torch.Tensor
     for i, t in enumerate(tensors):
         if not (isinstance(t, tensor) and t.layout is plain and not t.is_meta and t.is_contiguous() and not t.is_conj()

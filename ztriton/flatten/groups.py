@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -35,6 +36,7 @@ from ztriton import memory, policy, staging
 from ztriton.comm import World, agree, agreed, min_over_ranks, world_of
 from ztriton.flatten.tiers import TIERS, Group, TierInputs
 from ztriton.kernels import byte_extents
+from ztriton.kernels.checks import each
 from ztriton.layout import FlatGroupLayout, zero12_group_layout
 from ztriton.memory import format_bytes
 from ztriton.policy import FlattenDecision, Options, Tier
@@ -42,6 +44,7 @@ from ztriton.policy import FlattenDecision, Options, Tier
 __all__ = ["FlatGroup", "flatten_groups"]
 
 logger = logging.getLogger("ztriton")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,8 +203,8 @@ def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robi
 
     A param takes part if it requires grad and has elements (DeepSpeed's ``is_optimized_parameter``).
     """
-    numels = [p.numel() for p in params]
-    trainable = [p.requires_grad for p in params]
+    numels = each("numel", params)
+    trainable = list(map(_REQUIRES_GRAD, params))
     members = [params[j] for j in range(len(params)) if trainable[j] and numels[j] > 0]
     # One pass over thousands of params in the common case; the loop below only names the culprit.
     if members and {(p.dtype, p.device) for p in members} != {(members[0].dtype, members[0].device)}:
