@@ -44,6 +44,7 @@ STEPS = [
     ("ztriton.kernels.turns", "schedule", "schedule"),
     ("ztriton.kernels.plan", "validate", "validate"),
     ("ztriton.kernels.plan", "kernel_plan", "kernel tables"),
+    ("ztriton.kernels.tables", "_host_buffer", "pinned buffer"),
     ("ztriton.kernels.tables", "_to_device", "upload tables"),
     ("ztriton.kernels.compiled", "launch", "launch (one kernel)"),
     ("ztriton.kernels.compiled", "_load", "load a binary"),

@@ -158,7 +158,9 @@ def check_disjoint(begin: np.ndarray, end: np.ndarray, names) -> None:
     keep = np.flatnonzero(end > begin)
     if len(keep) < 2:
         return
-    order = keep[np.argsort(begin[keep], kind="stable")]
+    first = begin[keep]
+    # A pack's or flatten's ranges usually come in order already: then no sort.
+    order = keep if bool((first[1:] >= first[:-1]).all()) else keep[np.argsort(first, kind="stable")]
     reach = np.maximum.accumulate(end[order])
     k = first_true(begin[order][1:] < reach[:-1])
     if k is not None:

@@ -21,7 +21,7 @@ import torch
 
 from . import cache, state
 
-__all__ = ["direct_enabled", "launch", "loaded_variants"]
+__all__ = ["direct_enabled", "launch", "loaded_variants", "preload"]
 
 logger = logging.getLogger("ztriton")
 
@@ -50,6 +50,11 @@ def _folder(device_index: int) -> Path | None:
 def loaded_variants() -> list[tuple[int, str]]:
     """(device index, variant) of every binary this process has loaded from the cache."""
     return sorted(k for k, v in _functions.items() if v is not None)
+
+
+def preload(device_index: int, kernel: str, meta: dict[str, Any]) -> bool:
+    """Load this variant's binary from the cache on the device now, as its first launch would; whether it loaded."""
+    return _function(device_index, kernel, meta) is not None
 
 
 def launch(kernel: str, grid: tuple, args: tuple, meta: dict[str, Any], stream: torch.cuda.Stream | None) -> None:

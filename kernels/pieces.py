@@ -137,7 +137,7 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
             if not isinstance(src, torch.Tensor):
                 raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {show(src)}")
     numels = np.array(each("numel", sources, kinds), dtype=np.int64)
-    if not {type(o) for o in offsets} <= {int}:
+    if not set(map(type, offsets)) <= {int}:
         offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
     begin = int64_column(offsets, lambda i: f"offsets[{i}]")
     end = begin + numels

@@ -250,20 +250,27 @@ def _upload(tables: list[np.ndarray], device: torch.device) -> tuple[torch.Tenso
         return None, []
     starts = np.zeros(len(tables) + 1, dtype=np.int64)
     np.cumsum([len(t) + len(t) % 2 for t in tables], out=starts[1:])
-    joined = np.zeros(int(starts[-1]), dtype=np.int64)
+    host = _host_buffer(int(starts[-1]), device)
+    joined = host.numpy()
     for table, start in zip(tables, starts.tolist()):
         joined[start:start + len(table)] = table
-    uploaded = _to_device(torch.from_numpy(joined), device)
+    uploaded = _to_device(host, device)
     return uploaded, [uploaded[start:start + len(table)] for table, start in zip(tables, starts.tolist())]
+
+
+def _host_buffer(words: int, device: torch.device) -> torch.Tensor:
+    """int64 host memory for the tables, written through its numpy view (the padding between two tables is never
+    read): pinned for a CUDA device, straight from torch's pinned-memory cache (``empty(pin_memory=True)``;
+    ``Tensor.pin_memory()`` first asks whether a tensor is pinned already, a large part of a plan's host time)."""
+    if device.type != "cuda":
+        return torch.zeros(words, dtype=torch.int64)
+    return torch.empty(words, dtype=torch.int64, pin_memory=True)
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Upload a host-built table without making the host wait for the device's queue: from pinned memory, queued
-    like a kernel (a pageable copy waits for all earlier work on the stream). The buffer comes straight from
-    torch's pinned-memory cache (``empty(pin_memory=True)``; ``Tensor.pin_memory()`` first asks whether the table
-    is pinned already, a large part of a plan's host time), which keeps it until the copy has run."""
+    like a kernel (a pageable copy waits for all earlier work on the stream). Torch's pinned-memory cache keeps the
+    buffer until the copy has run."""
     if device.type != "cuda":
         return table.to(device)
-    pinned = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-    pinned.copy_(table)
-    return pinned.to(device, non_blocking=True)
+    return table.to(device, non_blocking=True)

@@ -32,18 +32,27 @@ import time
 
 import torch
 
-from . import state
+from . import compiled, state
 from .ops import pack_plan
 from .state import WARMING
 from .tuning import KERNELS_ONLY
+from .variants import WORD_COPY, word_meta
 
-__all__ = ["fill_in_background", "load_torch_cat_in_background", "warm_up", "warm_up_in_background"]
+__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_up",
+           "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
 _lock = threading.Lock()
 _requested: set[int] = set()  # devices a warm-up was started for, once per process
 _cat_started: dict[int, threading.Thread] = {}  # devices torch's cat kernel is loaded on (or being), once each
+_preloaded: dict[int, threading.Thread] = {}  # devices the compiled word copies are preloaded on (or being), once each
+# The word copy's classes in the order a flatten of bf16 params needs them: 16-byte bodies, then 2-byte heads and
+# tails, then the others.
+_PRELOAD_UNITS = (16, 2, 4, 8, 1)
+# Pinned blocks that fill torch's pinned-memory cache, one per power-of-two size a plan's tables take (a row is 24
+# bytes; up to 1 MiB: a turn of thousands of pieces): a fresh process's first plans then allocate none.
+_PINNED_SIZES = tuple(1 << k for k in range(12, 21))
 _threads: list[threading.Thread] = []  # every warm-up started, for the wait at exit
 # Inputs of the tiny cat that loads torch's kernel: as many as a batch of a flatten's cat (torch picks its kernel
 # by the inputs' count, alignment and contiguity), 16 int64 words each.
@@ -151,6 +160,38 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
         if device.index not in _cat_started:
             _cat_started[device.index] = _start("cat", device, _cat_once)
         return _cat_started[device.index]
+
+
+def preload_in_background(device: torch.device | int | str) -> threading.Thread | None:
+    """Load the word copy's variants from the compiled cache (never through Triton's JIT: a miss stays a miss) and
+    fill torch's pinned-memory cache with the blocks a plan's tables are uploaded from, on ``device`` (an indexed
+    CUDA device), in a daemon thread, once per device and process; returns the thread, or None where there is
+    nothing to load (not CUDA, the interpreter, ``ZTRITON_COMPILED=0``).
+
+    A fresh process's first plans otherwise pay both in the caller's thread (a binary load per variant, a pinned
+    allocation per table size). Started when a ZeRO optimizer begins building, the thread works while DeepSpeed's own
+    set-up runs (the driver's load and torch's allocation release the GIL); a launch that needs a variant the thread
+    is loading waits for that load (``compiled.py``'s lock). A failure is logged at debug level only."""
+    device = _indexed_cuda(device, "preload_in_background")
+    if device is None or state.interpreter_on() or not compiled.direct_enabled():
+        return None
+    with _lock:
+        if device.index not in _preloaded:
+            _preloaded[device.index] = _start("preload", device, _preload_once)
+        return _preloaded[device.index]
+
+
+def _preload_once(device: torch.device) -> None:
+    for unit in _PRELOAD_UNITS:
+        compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
+    _fill_pinned_cache(device)
+
+
+def _fill_pinned_cache(device: torch.device) -> None:
+    """One pinned block of each of ``_PINNED_SIZES``, freed into torch's cache, and the process's first
+    host-to-device copy from one of them."""
+    blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in _PINNED_SIZES]
+    blocks[0].to(device, non_blocking=True)
 
 
 def _cat_once(device: torch.device) -> None:

@@ -197,22 +197,48 @@ def test_torch_cat_is_loaded_once_per_device_in_a_thread_waited_for_at_exit(monk
         warmup.load_torch_cat_in_background("cuda")
 
 
-def test_the_key_loads_torch_cat_on_the_engines_device_only(monkeypatch):
-    """Under the key a ZeRO optimizer's construction starts the load on the engine's device (indexed CUDA);
-    a CPU or unindexed device starts nothing, and a thread that cannot start changes nothing else."""
+def test_the_key_preloads_on_the_engines_device_only(monkeypatch):
+    """Under the key a ZeRO optimizer's construction starts torch's cat load and the compiled word copies' preload
+    on the engine's device (indexed CUDA); a CPU or unindexed device starts nothing, and a thread that cannot start
+    changes nothing else."""
     from ztriton.integrations.deepspeed import optimizers
 
-    asked = []
-    monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)
+    cats, preloads = [], []
+    monkeypatch.setattr(warmup, "load_torch_cat_in_background", cats.append)
+    monkeypatch.setattr(warmup, "preload_in_background", preloads.append)
     for device in (torch.device("cpu"), torch.device("cuda"), "cuda:0", torch.device("cuda", 1)):
-        optimizers._load_torch_cat(device)
-    assert asked == [torch.device("cuda", 1)]
+        optimizers._preload(device)
+    assert cats == preloads == [torch.device("cuda", 1)]
 
     def no_threads(device):
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(warmup, "load_torch_cat_in_background", no_threads)
-    optimizers._load_torch_cat(torch.device("cuda", 1))  # logged at debug level, not raised
+    monkeypatch.setattr(warmup, "preload_in_background", no_threads)
+    optimizers._preload(torch.device("cuda", 1))  # logged at debug level, not raised
+
+
+def test_preload_loads_each_word_class_from_the_cache_only_once_per_device(monkeypatch, fresh_warm_ups):
+    """The preload asks the compiled cache (never Triton's JIT) for every word class, once per device and process,
+    in a thread waited for at exit; it starts nothing on a CPU device, under the interpreter or with
+    ZTRITON_COMPILED=0."""
+    from ztriton.kernels.tuning import KERNELS_ONLY
+    from ztriton.kernels.variants import word_meta
+
+    asked, pinned = [], []
+    monkeypatch.setattr(warmup, "_preloaded", {})
+    monkeypatch.setattr(warmup.compiled, "preload", lambda index, kernel, meta: asked.append((index, kernel, meta)))
+    monkeypatch.setattr(warmup, "warm_up", lambda device, work: work(device))
+    monkeypatch.setattr(warmup, "_fill_pinned_cache", pinned.append)
+    first = warmup.preload_in_background(3)
+    assert warmup.preload_in_background(torch.device("cuda", 3)) is first
+    first.join(5)
+    assert [meta for _, _, meta in asked] == [word_meta(unit, KERNELS_ONLY) for unit in (16, 2, 4, 8, 1)]
+    assert {(index, kernel) for index, kernel, _ in asked} == {(3, "copy_words_kernel")}
+    assert pinned == [torch.device("cuda", 3)]
+    assert fresh_warm_ups == [warmup._finish_at_exit] and warmup._threads == [first]
+    assert warmup.preload_in_background("cpu") is None
+    monkeypatch.setenv("ZTRITON_COMPILED", "0")
+    assert warmup.preload_in_background(4) is None
 
 
 @pytest.mark.gpu
@@ -250,6 +276,43 @@ assert loaded() == 1, "the real pack needed another variant"
 assert sys.argv[-1] != "cached" or "triton" not in sys.modules, "launched from the cache, triton not imported"
 print("OK")
 """
+
+
+PRELOAD_CHECK = """
+import sys
+import torch
+from ztriton.kernels import compiled, pack, warmup
+
+device = torch.device("cuda", 0)
+torch.zeros(1, device=device)
+warmup.preload_in_background(device).join(120)
+assert len(compiled.loaded_variants()) == 5, compiled.loaded_variants()
+assert "triton" not in sys.modules, "the preload compiled nothing"
+sources = [torch.randn(1000 + k, device=device).to(torch.bfloat16) for k in range(40)]
+offsets = [2048 * k for k in range(40)]
+flat = torch.full((2048 * 40,), float("nan"), dtype=torch.bfloat16, device=device)
+pack(flat, sources, offsets, fresh=True)
+assert all(torch.equal(flat[o:o + s.numel()], s) for o, s in zip(offsets, sources))
+assert len(compiled.loaded_variants()) == 5, "the pack needed a variant the preload left out"
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_preload_loads_the_word_copies_a_fresh_pack_uses(tmp_path):
+    """In a fresh process with the compiled cache filled: the preload loads the five word classes without
+    importing triton, and a pack of odd-sized bf16 sources (heads and tails of several classes) needs no other."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(ZTRITON_CACHE_DIR=str(tmp_path), ZTRITON_BACKGROUND_COMPILE="0")
+    filled = subprocess.run([sys.executable, "-m", "ztriton", "compile"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert filled.returncode == 0, filled.stdout + filled.stderr
+    out = subprocess.run([sys.executable, "-c", PRELOAD_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
     defragment's copies use it before any ztriton kernel is loaded)."""
     settings = settings_from(self._config)
     if settings.triton:
-        _load_torch_cat(self.device)
+        _preload(self.device)
     token = STATE.building_optimizer.set(settings)
     try:
         return original(self, *args, **kwargs)
@@ -32,18 +32,21 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
         STATE.building_optimizer.reset(token)
 
 
-def _load_torch_cat(device) -> None:
-    """Best effort: a thread that cannot start changes nothing but the first cat's time."""
+def _preload(device) -> None:
+    """Best effort: threads that load torch's cat kernel and the compiled word copies, and fill torch's pinned-memory
+    cache, while DeepSpeed builds the optimizer (``kernels/warmup.py``). A thread that cannot start changes nothing
+    but the first copy's time."""
     import torch
 
     if not isinstance(device, torch.device) or device.type != "cuda" or device.index is None:
         return
-    from ztriton.kernels.warmup import load_torch_cat_in_background
+    from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
 
     try:
+        preload_in_background(device)
         load_torch_cat_in_background(device)
     except RuntimeError as exc:  # threading's "can't start new thread"
-        logger.debug("ztriton: torch's cat kernel not preloaded (%s)", exc)
+        logger.debug("ztriton: kernels not preloaded (%s)", exc)
 
 
 def accelerator_available_memory(original, self, *args, **kwargs):
