@@ -50,10 +50,10 @@ _preloaded: dict[int, threading.Thread] = {}  # devices the compiled word copies
 # The word copy's classes in the order a flatten of bf16 params needs them: 16-byte bodies, then 2-byte heads and
 # tails, then the others.
 _PRELOAD_UNITS = (16, 2, 4, 8, 1)
-# Pinned blocks that fill torch's pinned-memory cache: two of each power-of-two size a plan's tables take (a row is
-# 24 bytes; 1 KiB to 1 MiB: a turn of a few pieces to one of thousands), as a copy in turns holds one block per turn
-# until the device has read it. A fresh process's first plans then allocate none (each costs a cudaHostAlloc).
-_PINNED_SIZES = tuple(1 << k for k in range(10, 21) for _ in range(2))
+# Pinned blocks that fill torch's pinned-memory cache, one of each power-of-two size a plan's tables take (a row is
+# 24 bytes; up to 1 MiB: a turn of thousands of pieces), so that a fresh process's first plans mostly allocate none
+# (each costs a cudaHostAlloc). Two of each made the fresh flatten slower: the thread's allocations then overlap it.
+_PINNED_SIZES = tuple(1 << k for k in range(12, 21))
 _threads: list[threading.Thread] = []  # every warm-up started, for the wait at exit
 # Inputs of the tiny cat that loads torch's kernel: as many as a batch of a flatten's cat (torch picks its kernel
 # by the inputs' count, alignment and contiguity), 16 int64 words each.
