@@ -623,3 +623,44 @@ def test_partition_twice_is_a_clear_error_and_changes_nothing(fake_world):
         model.add_module("extra", torch.nn.Linear(2, 2))  # parameters added since: only those are partitioned
         result = ztriton.partition(model)
         assert [part.name for part in result.partitions] == ["extra.weight", "extra.bias"]
+
+
+def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatch):
+    """Reading a config with the key starts the import of the step's module at that ZeRO stage (the flatten's at
+    1 and 2, the defragment's at 3) in a thread, once per module; nothing for stage 0 or a module imported already."""
+    import sys
+
+    from ztriton.integrations.deepspeed import config
+
+    monkeypatch.setattr(config, "_importing", set())
+    imported = []
+    monkeypatch.setattr(config.importlib, "import_module", imported.append)
+    for name in ("ztriton.flatten", "ztriton.defragmenting"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert config.import_step_in_background(0) is None and config.import_step_in_background(None) is None
+    threads = [config.import_step_in_background(stage) for stage in (2, 1, 3, 3)]
+    assert threads[1] is None and threads[3] is None  # the same module again
+    for thread in threads:
+        if thread is not None:
+            thread.join(5)
+            assert not thread.daemon
+    assert imported == ["ztriton.flatten", "ztriton.defragmenting"]
+    monkeypatch.setattr(config, "_importing", set())
+    monkeypatch.setitem(sys.modules, "ztriton.flatten", sys.modules.get("ztriton", None))
+    assert config.import_step_in_background(2) is None  # imported already
+
+
+def test_deepspeed_reading_a_config_with_the_key_starts_the_import(monkeypatch):
+    """DeepSpeed's own config parse (the hook on DeepSpeedConfig) asks for the stage's module; without the key,
+    nothing."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ztriton.integrations.deepspeed import config
+
+    asked = []
+    monkeypatch.setattr(config, "import_step_in_background", asked.append)
+    base = {"train_batch_size": 1, "zero_optimization": {"stage": 2}}
+    DeepSpeedConfig(dict(base))
+    DeepSpeedConfig({**base, "partition_backend": "triton"})
+    DeepSpeedConfig({**base, "zero_optimization": {"stage": 3}, "partition_backend": "triton"})
+    assert asked == [2, 3]

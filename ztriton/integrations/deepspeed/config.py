@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import base64
 import difflib
+import importlib
 import logging
 import os
+import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +169,37 @@ def start_kernel_warm_up() -> None:
         logging.getLogger("ztriton").debug("ztriton: kernel warm-up not started (%s)", exc)
 
 
+# The module the key's step at each ZeRO stage imports on first use, and those imported (or importing) already.
+_STEP_MODULES = {1: "ztriton.flatten", 2: "ztriton.flatten", 3: "ztriton.defragmenting"}
+_importing: set[str] = set()
+
+
+def import_step_in_background(stage: object) -> threading.Thread | None:
+    """Import the module the key's step at ZeRO ``stage`` needs (the flatten's, the defragment's) in a thread, from
+    the moment a config with the key is read: DeepSpeed's engine set-up then hides a first import that the step
+    itself would otherwise pay in a fresh process (a few milliseconds). Once per module and process; a failure is
+    logged at debug level (the step then imports it, and raises there if it must). Not a daemon: the interpreter
+    waits for it at exit rather than stop it half way."""
+    name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
+    if name is None or name in _importing or name in sys.modules:
+        return None
+    _importing.add(name)
+
+    def run() -> None:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- best effort: the step imports it again and reports there
+            logging.getLogger("ztriton").debug("ztriton: background import of %s failed (%s)", name, exc)
+
+    thread = threading.Thread(target=run, name=f"ztriton-import-{name}")
+    try:
+        thread.start()
+    except RuntimeError as exc:  # threading's "can't start new thread"
+        logging.getLogger("ztriton").debug("ztriton: background import not started (%s)", exc)
+        return None
+    return thread
+
+
 def _dict_of_config_object(config_class: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """DeepSpeed cannot read a ``DeepSpeedConfig`` given as a config (``zero.Init(config_dict_or_path=<one>)``
     fails in ``os.path.exists``): one whose key asks for ztriton is read as its dict; any other argument goes to
@@ -190,6 +224,8 @@ def config_init(original, self, *args, **kwargs):
         announce()  # where ztriton stood aside from another library (transformers), the one line saying so
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
+    if settings.triton:
+        import_step_in_background(getattr(self, "zero_optimization_stage", 0))
     if isinstance(self._param_dict, dict):
         from ztriton.integrations.deepspeed.report import warn_once
 
