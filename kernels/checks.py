@@ -97,7 +97,8 @@ def check_dst(dst: torch.Tensor) -> None:
 def each(method: str, tensors: Sequence[torch.Tensor], kinds: set | None = None) -> list:
     """``[t.method() for t in tensors]``: through torch.Tensor's own method where every tensor's type (``kinds``,
     if the caller has them) inherits it unchanged, which skips each instance's attribute lookup (half the time of
-    a read for an ``nn.Parameter``, whose class chain is longer); else each instance's own method."""
+    a read for an ``nn.Parameter``, whose class chain is longer); else each instance's own method. A method set on
+    one instance (``t.numel = ...``) is not seen: the library reads tensors' own facts, never such overrides."""
     own = getattr(torch.Tensor, method)
     if kinds is None:
         kinds = set(map(type, tensors))

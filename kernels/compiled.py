@@ -53,8 +53,10 @@ def loaded_variants() -> list[tuple[int, str]]:
 
 
 def preload(device_index: int, kernel: str, meta: dict[str, Any]) -> bool:
-    """Load this variant's binary from the cache on the device now, as its first launch would; whether it loaded."""
-    return _function(device_index, kernel, meta) is not None
+    """Load this variant's binary from the cache on the device now, as its first launch would; whether it loaded.
+    A miss is not remembered: the entry may still be written (another rank's JIT, the background fill) before the
+    first launch asks."""
+    return _function(device_index, kernel, meta, remember_miss=False) is not None
 
 
 def launch(kernel: str, grid: tuple, args: tuple, meta: dict[str, Any], stream: torch.cuda.Stream | None) -> None:
@@ -85,20 +87,21 @@ def _fits(args: tuple, values: list[int]) -> bool:
     return True
 
 
-def _function(device_index: int, kernel: str, meta: dict[str, Any]):
+def _function(device_index: int, kernel: str, meta: dict[str, Any], remember_miss: bool = True):
     """The loaded function of this variant on this device, loading it from the cache the first time; None on a
-    miss or a failed load (remembered: the process asks the disk once per variant). Found by the meta's values
-    first: naming the variant hashes its meta, host time that every launch would pay again."""
+    miss or a failed load (remembered unless ``remember_miss`` is false: the process asks the disk once per
+    variant). Found by the meta's values first: naming the variant hashes its meta, host time that every launch
+    would pay again."""
     key = (device_index, kernel, *meta.items())
     function = _by_meta.get(key, _UNSEEN)
     if function is not _UNSEEN:
         return function
     slot = (device_index, cache.variant_name(kernel, meta))
     with _lock:
-        if slot not in _functions:
-            _functions[slot] = _load(device_index, slot[1])
-        _by_meta[key] = _functions[slot]
-    return _functions[slot]
+        function = _functions[slot] if slot in _functions else _load(device_index, slot[1])
+        if function is not None or remember_miss:
+            _functions[slot] = _by_meta[key] = function
+    return function
 
 
 def _load(device_index: int, variant: str):

@@ -24,7 +24,8 @@ _CU_FUNC_CACHE_PREFER_SHARED = 2
 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
 _ARG_TYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32, "u64": ctypes.c_uint64}
 _lock = threading.Lock()
-# Context handle -> its device, as the driver answered once: every launch asks which context is current.
+# Context handle -> its device, as the driver answered once: every launch asks which context is current. The
+# contexts torch makes current are primary contexts, whose handles live as long as the process.
 _device_of: dict[int, int] = {}
 
 

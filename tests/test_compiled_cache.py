@@ -202,6 +202,24 @@ def test_everything_else_goes_through_the_jit(monkeypatch, case):
     assert (("keep",) in rec.calls) == (case in ("miss", "turned off", "interpreter"))
 
 
+def test_a_variant_is_looked_up_once_and_a_preloads_miss_is_not_remembered(monkeypatch):
+    """The first ask loads the variant from the disk (the cache's answer is kept, a miss too, so the disk is asked
+    once); the preload's miss is not kept: an entry written before the first launch (another rank's JIT, the
+    background fill) is still found then."""
+    monkeypatch.setattr(compiled, "_functions", {})
+    monkeypatch.setattr(compiled, "_by_meta", {})
+    answers = [None, "loaded"]
+    asked = []
+    monkeypatch.setattr(compiled, "_load", lambda index, variant: asked.append(variant) or answers.pop(0))
+    assert compiled.preload(0, "copy_words_kernel", META) is False  # a miss, not remembered
+    assert compiled._function(0, "copy_words_kernel", META) == "loaded"  # the disk asked again
+    assert compiled._function(0, "copy_words_kernel", dict(META)) == "loaded"  # remembered: not asked again
+    assert len(asked) == 2 and len(set(asked)) == 1
+    monkeypatch.setattr(compiled, "_load", lambda index, variant: asked.append(variant))  # a launch's miss
+    assert compiled._function(1, "copy_words_kernel", META) is None
+    assert compiled._function(1, "copy_words_kernel", META) is None and len(asked) == 3
+
+
 def _compiled_kernel(**metadata):
     md = dict(name="copy_words_kernel", num_warps=2, shared=0, num_ctas=1, launch_cooperative_grid=False,
               launch_pdl=False, global_scratch_size=0, profile_scratch_size=0, tmem_size=0, hash="h", target="t")

@@ -632,13 +632,17 @@ def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatc
 
     from ztriton.integrations.deepspeed import config
 
+    import threading
+    from types import SimpleNamespace
+
     monkeypatch.setattr(config, "_importing", set())
     imported = []
-    monkeypatch.setattr(config.importlib, "import_module", imported.append)
+    monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=imported.append))  # config's own name only
     for name in ("ztriton.flatten", "ztriton.defragmenting"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert config.import_step_in_background(0) is None and config.import_step_in_background(None) is None
     threads = [config.import_step_in_background(stage) for stage in (2, 1, 3, 3)]
+    assert isinstance(threads[0], threading.Thread) and isinstance(threads[2], threading.Thread)
     assert threads[1] is None and threads[3] is None  # the same module again
     for thread in threads:
         if thread is not None:

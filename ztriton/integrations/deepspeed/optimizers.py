@@ -42,11 +42,11 @@ def _preload(device) -> None:
         return
     from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
 
-    try:
-        preload_in_background(device)
-        load_torch_cat_in_background(device)
-    except RuntimeError as exc:  # threading's "can't start new thread"
-        logger.debug("ztriton: kernels not preloaded (%s)", exc)
+    for start in (preload_in_background, load_torch_cat_in_background):
+        try:
+            start(device)
+        except RuntimeError as exc:  # threading's "can't start new thread"
+            logger.debug("ztriton: %s not started (%s)", start.__name__, exc)
 
 
 def accelerator_available_memory(original, self, *args, **kwargs):
