@@ -155,12 +155,7 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
     real cat then loads the kernel, as without it."""
     device = _indexed_cuda(device, "load_torch_cat_in_background")
-    if device is None:
-        return None
-    with _lock:
-        if device.index not in _cat_started:
-            _cat_started[device.index] = _start("cat", device, _cat_once)
-        return _cat_started[device.index]
+    return None if device is None else _once_per_device(_cat_started, "cat", device, _cat_once)
 
 
 def preload_in_background(device: torch.device | int | str) -> threading.Thread | None:
@@ -176,10 +171,17 @@ def preload_in_background(device: torch.device | int | str) -> threading.Thread 
     device = _indexed_cuda(device, "preload_in_background")
     if device is None or state.interpreter_on() or not compiled.direct_enabled():
         return None
+    return _once_per_device(_preloaded, "preload", device, _preload_once)
+
+
+def _once_per_device(started: dict[int, threading.Thread], name: str, device: torch.device, work
+                     ) -> threading.Thread:
+    """The thread ``started`` holds for ``device``, else a new one running ``work`` there (recorded in ``started``).
+    Starting may raise (no threads left): then nothing is recorded."""
     with _lock:
-        if device.index not in _preloaded:
-            _preloaded[device.index] = _start("preload", device, _preload_once)
-        return _preloaded[device.index]
+        if device.index not in started:
+            started[device.index] = _start(name, device, work)
+        return started[device.index]
 
 
 def _preload_once(device: torch.device) -> None:

@@ -47,6 +47,7 @@ def fresh_warm_ups(monkeypatch):
     monkeypatch.setattr(state, "interpreted", lambda: False)  # what state.interpreter_on asks
     monkeypatch.setattr(warmup, "_requested", set())
     monkeypatch.setattr(warmup, "_cat_started", {})
+    monkeypatch.setattr(warmup, "_preloaded", {})
     monkeypatch.setattr(warmup, "_threads", [])
     monkeypatch.setattr(warmup.atexit, "register", registered.append)
     monkeypatch.setattr(state, "WARMING", {})
@@ -226,7 +227,6 @@ def test_preload_loads_each_word_class_from_the_cache_only_once_per_device(monke
     from ztriton.kernels.variants import word_meta
 
     asked, pinned = [], []
-    monkeypatch.setattr(warmup, "_preloaded", {})
     monkeypatch.setattr(warmup.compiled, "preload", lambda index, kernel, meta: asked.append((index, kernel, meta)))
     monkeypatch.setattr(warmup, "warm_up", lambda device, work: work(device))
     monkeypatch.setattr(warmup, "_fill_pinned_cache", pinned.append)

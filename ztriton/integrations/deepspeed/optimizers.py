@@ -20,8 +20,8 @@ logger = logging.getLogger("ztriton")
 
 def engine_configure_zero_optimizer(original, self, *args, **kwargs):
     """``DeepSpeedEngine._configure_zero_optimizer``: marks the optimizer's construction with the settings, and
-    under the key starts loading torch's cat kernel on the engine's device meanwhile (the flatten's or the
-    defragment's copies use it before any ztriton kernel is loaded)."""
+    under the key starts loading, on the engine's device meanwhile, what the flatten's or the defragment's first
+    copy would otherwise load in the caller's thread (:func:`_preload`)."""
     settings = settings_from(self._config)
     if settings.triton:
         _preload(self.device)
