@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 __all__ = ["as_index", "as_sequence", "as_zero_ranges", "byte_extent", "byte_extents", "check_disjoint", "check_dst",
-           "check_tensor", "each", "first_true", "int64_column", "merged_dims", "show", "within_index_limit"]
+           "check_tensor", "each", "each_int64", "first_true", "int64_column", "merged_dims", "show", "within_index_limit"]
 
 _INDEX_LIMIT = 2**62
 
@@ -99,12 +99,23 @@ def each(method: str, tensors: Sequence[torch.Tensor], kinds: set | None = None)
     if the caller has them) inherits it unchanged, which skips each instance's attribute lookup (half the time of
     a read for an ``nn.Parameter``, whose class chain is longer); else each instance's own method. A method set on
     one instance (``t.numel = ...``) is not seen: the library reads tensors' own facts, never such overrides."""
+    return list(map(_reader(method, tensors, kinds), tensors))
+
+
+def each_int64(method: str, tensors: Sequence[torch.Tensor], kinds: set | None = None) -> np.ndarray:
+    """:func:`each` of a method returning an int (``numel``, ``data_ptr``), as an int64 array filled as it reads."""
+    return np.fromiter(map(_reader(method, tensors, kinds), tensors), dtype=np.int64, count=len(tensors))
+
+
+def _reader(method: str, tensors: Sequence[torch.Tensor], kinds: set | None):
+    """torch.Tensor's own ``method`` if every type in ``kinds`` (else the tensors' types) inherits it, else a
+    function calling each instance's (:func:`each`)."""
     own = getattr(torch.Tensor, method)
     if kinds is None:
         kinds = set(map(type, tensors))
     if all(getattr(kind, method, None) is own for kind in kinds):
-        return list(map(own, tensors))
-    return [getattr(t, method)() for t in tensors]
+        return own
+    return lambda t: getattr(t, method)()
 
 
 def byte_extent(t: torch.Tensor) -> tuple[int, int]:
@@ -183,7 +194,12 @@ def as_zero_ranges(zero_ranges, dst: torch.Tensor) -> np.ndarray:
                 raise ValueError(f"zero_ranges[{i}] must be (offset, count), got {show(pair)}")
             flat += [as_index(f"zero_ranges[{i}] offset", pair[0]), as_index(f"zero_ranges[{i}] count", pair[1])]
         zeros = np.array(flat, dtype=np.int64).reshape(-1, 2)
-    i = first_true((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (zeros.sum(1) > dst.numel()))
+    if not len(zeros):
+        return zeros
+    ends = zeros[:, 0] + zeros[:, 1]
+    if zeros.min() >= 0 and ends.max() <= dst.numel():  # the common case: three reductions, no mask
+        return zeros
+    i = first_true((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (ends > dst.numel()))
     if i is not None:
         o, c = int(zeros[i, 0]), int(zeros[i, 1])
         raise ValueError(f"zero range [{o}, {o + c}) does not fit in dst of {dst.numel()} elements")

@@ -12,10 +12,10 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .checks import as_index, as_sequence, check_disjoint, check_dst, each, first_true, int64_column, show, \
-    within_index_limit
+from .checks import as_index, as_sequence, check_disjoint, check_dst, each, each_int64, first_true, int64_column, \
+    show, within_index_limit
 
-__all__ = ["PackPieces", "Piece", "pack_pieces", "slices_to_pieces", "sources_of", "uncovered"]
+__all__ = ["PackPieces", "Piece", "known_disjoint", "pack_pieces", "slices_to_pieces", "sources_of", "uncovered"]
 
 
 class Piece(NamedTuple):
@@ -30,10 +30,18 @@ class Piece(NamedTuple):
 class PackPieces(Sequence):
     """Pieces whose ranges are already int64 columns (:func:`pack_pieces`, :func:`slices_to_pieces`) and whose
     sources are known to be tensors, so that validation reads each source's attributes once instead of
-    re-deriving the ranges from thousands of tuples. Indexing gives the :class:`Piece`."""
+    re-deriving the ranges from thousands of tuples. Indexing gives the :class:`Piece`.
 
-    def __init__(self, sources: list, start: np.ndarray, count: np.ndarray, offset: np.ndarray, numel: np.ndarray):
+    ``gaps``: set by a builder that checked the pieces' destination ranges pairwise disjoint, to the zero ranges it
+    computed as what they leave uncovered (disjoint from every piece by construction); a subset (:meth:`take`)
+    keeps it. Validation then skips the disjointness check of these pieces with no zero ranges or with exactly
+    these (:func:`known_disjoint`): a second pass over thousands of ranges before a fresh pack's first launch.
+    """
+
+    def __init__(self, sources: list, start: np.ndarray, count: np.ndarray, offset: np.ndarray, numel: np.ndarray,
+                 gaps: np.ndarray | None = None):
         self.sources, self.start, self.count, self.offset, self.numel = sources, start, count, offset, numel
+        self.gaps = gaps
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -49,7 +57,14 @@ class PackPieces(Sequence):
             raise TypeError(f"indices must be an integer numpy array, got {show(indices)}")  # a mask would mis-pick
         sources = self.sources
         return PackPieces([sources[i] for i in indices.tolist()], self.start[indices], self.count[indices],
-                          self.offset[indices], self.numel[indices])
+                          self.offset[indices], self.numel[indices], self.gaps)
+
+
+def known_disjoint(pieces: Sequence[Piece], zeros: np.ndarray) -> bool:
+    """Whether ``pieces`` and ``zeros`` are known not to overlap in dst (:class:`PackPieces`' ``gaps``): the
+    pieces checked pairwise disjoint by their builder, and no zero ranges or the builder's own (the same array)."""
+    gaps = getattr(pieces, "gaps", None)
+    return gaps is not None and (not len(zeros) or zeros is gaps)
 
 
 def sources_of(pieces: Sequence[Piece]) -> list:
@@ -61,8 +76,9 @@ def _gaps(begin: np.ndarray, end: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """``[n, 2]`` (offset, count) of the parts of ``[lo, hi)`` that no ``[begin, end)`` covers."""
     keep = end > begin
     begin, end = begin[keep], end[keep]
-    order = np.argsort(begin, kind="stable")
-    begin, end = begin[order], end[order]
+    if not bool((begin[1:] >= begin[:-1]).all()):  # a pack's ranges usually come in order already
+        order = np.argsort(begin, kind="stable")
+        begin, end = begin[order], end[order]
     reach = np.maximum.accumulate(np.concatenate([[lo], end]))  # covered up to, before each range
     starts = np.concatenate([reach[:-1], reach[-1:]])
     stops = np.concatenate([begin, [hi]])
@@ -136,7 +152,7 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
         for i, src in enumerate(sources):
             if not isinstance(src, torch.Tensor):
                 raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {show(src)}")
-    numels = np.array(each("numel", sources, kinds), dtype=np.int64)
+    numels = each_int64("numel", sources, kinds)
     if not set(map(type, offsets)) <= {int}:
         offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
     begin = int64_column(offsets, lambda i: f"offsets[{i}]")
@@ -152,9 +168,10 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     # Each source's part inside the window; sources outside it still get validated, as empty pieces.
     lo, hi = np.maximum(begin, w0), np.minimum(end, w1)
     inside = lo < hi
+    gaps = _gaps(lo[inside] - w0, hi[inside] - w0, 0, w1 - w0)
     pieces = PackPieces(list(sources), np.where(inside, lo - begin, 0), np.where(inside, hi - lo, 0),
-                        np.where(inside, lo - w0, 0), end - begin)
-    return pieces, _gaps(lo[inside] - w0, hi[inside] - w0, 0, w1 - w0)
+                        np.where(inside, lo - w0, 0), end - begin, gaps)
+    return pieces, gaps
 
 
 def _window(window: tuple[int, int] | None, dst: torch.Tensor) -> tuple[int, int]:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .checks import as_zero_ranges, check_disjoint, check_dst
-from .pieces import PackPieces, Piece
+from .pieces import PackPieces, Piece, known_disjoint
 from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
@@ -77,8 +77,33 @@ def turns(n: int, first: int | None = None, growth: int | None = None, last: int
 
 def schedule(pieces: PackPieces) -> list[np.ndarray]:
     """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
-    order = np.argsort(-np.maximum(pieces.count, 0), kind="stable")
-    return [order[a:b] for a, b in turns(len(order))]
+    bounds = list(turns(len(pieces)))
+    if not bounds:
+        return []
+    count = np.maximum(pieces.count, 0)
+    first = _biggest(count, bounds[0][1])
+    order = np.concatenate([first, _rest_by_size(count, first)])
+    return [order[a:b] for a, b in bounds]
+
+
+def _biggest(count: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` biggest counts, biggest first, ties in index order: the first ``k`` of a stable
+    sort by decreasing count, without sorting all of them (a fresh pack's first turn waits for this)."""
+    n = len(count)
+    if k >= n:
+        return np.argsort(-count, kind="stable")
+    kth = np.partition(count, n - k)[n - k]  # the k-th biggest count
+    above = np.flatnonzero(count > kth)
+    chosen = np.concatenate([above, np.flatnonzero(count == kth)[:k - len(above)]])  # each part in index order
+    return chosen[np.argsort(-count[chosen], kind="stable")]
+
+
+def _rest_by_size(count: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """The indices not in ``first``, biggest first, ties in index order: the rest of :func:`_biggest`'s sort."""
+    left = np.ones(len(count), dtype=bool)
+    left[first] = False
+    rest = np.flatnonzero(left)
+    return rest[np.argsort(-count[rest], kind="stable")]
 
 
 def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
@@ -104,7 +129,8 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     with _errors_as_one_plan(dst, pieces, zero_ranges, what):
         zeros = as_zero_ranges(zero_ranges, dst)
         check_launchable(dst)  # as one plan's (after its checks of the pieces): even when every piece leads
-        _check_destinations(dst, pieces, zeros, what)
+        if not known_disjoint(pieces, zeros):  # a pack's pieces and gaps were checked by pack_pieces
+            _check_destinations(dst, pieces, zeros, what)
     first = lead(dst, pieces)
     rest = pieces
     if len(first):
@@ -118,15 +144,20 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             with _errors_as_one_plan(dst, pieces, zeros, what):
                 run_plan(dst, rest, zeros, what=what)
         return
-    each_turn = schedule(rest)
+    bounds = list(turns(len(rest)))
+    count = np.maximum(rest.count, 0)
+    # The first turn's pieces found without sorting them all; the rest sorted while the device copies them.
+    order = _biggest(count, bounds[0][1])
     no_zeros = zeros[:0]
-    for t, indices in enumerate(each_turn):
+    for t, (a, b) in enumerate(bounds):
+        if t == 1:
+            order = np.concatenate([order, _rest_by_size(count, order)])
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
-        zeros_now = zeros if t == len(each_turn) - 1 else no_zeros
+        zeros_now = zeros if t == len(bounds) - 1 else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):
             # The kernels always: a last turn of a few small pieces would otherwise
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
-            make_plan(dst, rest.take(indices), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
+            make_plan(dst, rest.take(order[a:b]), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
 
 
 def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:

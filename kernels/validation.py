@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from .checks import as_index, as_sequence, as_zero_ranges, byte_extent, check_disjoint, check_dst, check_tensor, \
-    each, first_true, int64_column, merged_dims, show, within_index_limit
-from .pieces import PackPieces, Piece
+    each, each_int64, first_true, int64_column, merged_dims, show, within_index_limit
+from .pieces import PackPieces, Piece, known_disjoint
 
 __all__ = ["Sources", "validate"]
 
@@ -51,6 +51,8 @@ def validate(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[t
     srcs = _gather_sources(pieces, dst, same_device, what)
     _check_ranges(srcs, dst, what)
     zeros = as_zero_ranges(zero_ranges, dst)
+    if known_disjoint(pieces, zeros):
+        return srcs, zeros
     n = len(pieces)
     check_disjoint(np.concatenate([srcs.offset, zeros[:, 0]]), np.concatenate([srcs.offset + srcs.count, zeros.sum(1)]),
                    lambda k: f"{what}[{k}]" if k < n else "a pad range")
@@ -99,8 +101,8 @@ def _gather_common(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool
             return None
     local = np.ones(len(srcs), dtype=bool) if devices == {dst.device} else \
         np.array([s.device == dst.device for s in srcs], dtype=bool)
-    numel = pieces.numel if isinstance(pieces, PackPieces) else np.array(each("numel", srcs, kinds), dtype=np.int64)
-    lo = np.array(each("data_ptr", srcs, kinds), dtype=np.int64)
+    numel = pieces.numel if isinstance(pieces, PackPieces) else each_int64("numel", srcs, kinds)
+    lo = each_int64("data_ptr", srcs, kinds)
     return Sources(*ranges, numel, lo, lo + numel * dst.element_size(), contiguous=np.ones(len(srcs), dtype=bool),
                    local=local)
 
@@ -154,17 +156,22 @@ def _gather_each(pieces: Sequence[Piece], dst: torch.Tensor, same_device: bool, 
 def _check_ranges(srcs: Sources, dst: torch.Tensor, what: str) -> None:
     """Source ranges inside their sources, destination ranges inside dst, no source memory in dst."""
     end = srcs.start + srcs.count
-    i = first_true((srcs.start < 0) | (srcs.count < 0) | (end > srcs.numel))
+    dst_lo, dst_hi = byte_extent(dst)
+    outside = (srcs.start < 0) | (srcs.count < 0) | (end > srcs.numel)
+    misplaced = (srcs.offset < 0) | (srcs.offset + srcs.count > dst.numel())
+    inside_dst = srcs.local & (srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo)
+    if not (outside | misplaced | inside_dst).any():  # the common case: one test, then each culprit's own
+        return
+    i = first_true(outside)
     if i is not None:
         raise ValueError(f"{what}[{i}]: start={int(srcs.start[i])}, count={int(srcs.count[i])}: range "
                          f"[{int(srcs.start[i])}, {int(end[i])}) is outside its {int(srcs.numel[i])} elements")
-    i = first_true((srcs.offset < 0) | (srcs.offset + srcs.count > dst.numel()))
+    i = first_true(misplaced)
     if i is not None:
         raise ValueError(f"{what}[{i}]: offset={int(srcs.offset[i])}, count={int(srcs.count[i])}: destination range "
                          f"[{int(srcs.offset[i])}, {int(srcs.offset[i] + srcs.count[i])}) does not fit in dst of "
                          f"{dst.numel()} elements")
-    dst_lo, dst_hi = byte_extent(dst)
-    i = first_true(srcs.local & (srcs.count > 0) & (srcs.lo < dst_hi) & (srcs.hi > dst_lo))
+    i = first_true(inside_dst)
     if i is not None:
         raise ValueError(f"{what}[{i}] overlaps dst in memory (source bytes [{int(srcs.lo[i]):#x}, "
                          f"{int(srcs.hi[i]):#x}), dst bytes [{dst_lo:#x}, {dst_hi:#x})); copy from a separate buffer")

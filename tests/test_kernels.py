@@ -6,6 +6,8 @@ that nothing outside it was. On CPU the kernels run under the Triton interpreter
 """
 import os
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -1082,3 +1084,55 @@ def test_pack_takes_contiguous_tensors_with_odd_strides_on_size_one_dims(route, 
     assert dst.is_contiguous() and dst.stride() == (3,)
     pack(dst, [sources[0]], [0])
     assert torch.equal(bits(dst), bits(sources[0]))
+
+
+@FAST
+@given(data=st.data())
+def test_the_plan_of_aligned_segments_is_the_general_plan(data):
+    """Segments whose addresses all divide by 16 take a shortcut (no heads: a body of 16-byte words and a tail
+    in the class of its length): the same classes, tables, rows and programs as the general cut into heads,
+    bodies and tails, zero fills and empty segments among them."""
+    from ztriton.kernels import tables
+
+    n = data.draw(st.integers(0, 40))
+    base = 16 * data.draw(st.integers(1, 1 << 20))
+    src = 16 * np.array(data.draw(st.lists(st.integers(0, 1 << 30), min_size=n, max_size=n)), dtype=np.int64)
+    src[np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)] = 0  # zero fills
+    dst = base + 16 * np.array(data.draw(st.lists(st.integers(0, 1 << 30), min_size=n, max_size=n)), dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 1 << 16), min_size=n, max_size=n)), dtype=np.int64)
+    if data.draw(st.booleans()):
+        nbytes = nbytes * 16  # no tails
+    program_bytes = data.draw(st.sampled_from([1024, 32 * 1024]))
+    short = tables._word_classes(src, dst, nbytes, base, program_bytes)
+    general = tables._mixed_word_classes(src, dst, nbytes, base, program_bytes)
+    assert [(c.unit, c.at, c.rows, c.programs) for c in short] == [(c.unit, c.at, c.rows, c.programs) for c in general]
+    assert all(np.array_equal(a.table, b.table) for a, b in zip(short, general))
+
+
+def test_each_int64_reads_through_a_subclass_s_own_method():
+    from ztriton.kernels.checks import each_int64
+
+    class Counted(torch.Tensor):
+        def numel(self):
+            return -1
+
+    plain = [torch.zeros(3), torch.nn.Parameter(torch.zeros(5))]
+    got = each_int64("numel", plain)
+    assert got.dtype == np.int64 and got.tolist() == [3, 5]
+    assert each_int64("numel", plain + [torch.zeros(7).as_subclass(Counted)]).tolist() == [3, 5, -1]
+
+
+def test_a_pack_s_pieces_with_other_zero_ranges_are_still_checked_for_overlap():
+    """pack_pieces' pieces skip the overlap check only with none or their own gaps as zero ranges: any other zero
+    range overlapping a piece is refused, before anything is written."""
+    from ztriton.kernels import make_plan
+    from ztriton.kernels.pieces import known_disjoint, pack_pieces
+
+    sources = [torch.arange(4.0), torch.arange(3.0)]
+    dst = torch.full((10,), 7.0)
+    pieces, gaps = pack_pieces(dst, sources, [0, 6])
+    assert known_disjoint(pieces, gaps) and known_disjoint(pieces.take(np.array([1])), gaps)
+    assert known_disjoint(pieces, gaps[:0]) and not known_disjoint(pieces, gaps.copy())
+    with pytest.raises(ValueError, match=r"sources\[0\].*a pad range.*overlap"):
+        make_plan(dst, pieces, np.array([[2, 3]], dtype=np.int64))
+    assert bool((dst == 7.0).all())

@@ -125,6 +125,8 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     assert all(a.min() >= b.max() for a, b in zip(counts, counts[1:])), "a smaller piece went before a bigger one"
     assert all(len(z) == 0 for _, z, _ in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each, one after
     assert sorted(i for p, _, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
+    each_turn = schedule(pack_pieces(dst, sources, offsets)[0])  # the first turn picked without a full sort: same
+    assert [list(map(id, p.sources)) for p, _, _ in made] == [[id(sources[i]) for i in t] for t in each_turn]
     assert all(plan.launches for _, _, plan in made)  # kernel turns, the last too (however few its pieces)
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
