@@ -32,14 +32,17 @@ import time
 
 import torch
 
-from . import compiled, state
+from . import compiled, state, turns
 from .ops import pack_plan
+from .pieces import pack_pieces
 from .state import WARMING
+from .tables import kernel_plan
 from .tuning import KERNELS_ONLY
+from .validation import validate
 from .variants import WORD_COPY, word_meta
 
-__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_up",
-           "warm_up_in_background"]
+__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_planning",
+           "warm_up", "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
@@ -191,10 +194,26 @@ def _preload_once(device: torch.device) -> None:
 
 
 def _fill_pinned_cache(device: torch.device) -> None:
-    """One pinned block of each of ``_PINNED_SIZES``, freed into torch's cache, and the process's first
-    host-to-device copy from one of them."""
+    """One pinned block of each of ``_PINNED_SIZES``, freed into torch's cache, the process's first host-to-device
+    copy from one of them, and its first device-to-device copy (the lead's ``copy_`` of bytes)."""
     blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in _PINNED_SIZES]
-    blocks[0].to(device, non_blocking=True)
+    on_device = blocks[0][:64].to(device, non_blocking=True)
+    torch.empty_like(on_device).narrow(0, 0, 32).copy_(on_device.narrow(0, 32, 32))
+
+
+def warm_planning() -> None:
+    """Plan a tiny pack on the CPU, through every step a fresh pack in turns takes before its launches (its pieces,
+    the first turn's pick, validation, both ways of cutting segments into word classes, the lead's byte views),
+    and launch nothing. A process's first plan otherwise pays the first call of each numpy function and torch
+    binding those steps use (about a millisecond on the CPU machine: ``bench/NOTES.md``). Touches no device."""
+    sources = [torch.zeros(n, dtype=torch.bfloat16) for n in (64, 3, 13, 8, 5, 16)]  # odd sizes: tails
+    offsets = [0, 64, 72, 88, 96, 104]
+    buffer = torch.empty(136, dtype=torch.bfloat16)
+    for dst in (buffer[:128], buffer[1:129]):  # at a 16-byte address (bodies and tails), and not (heads too)
+        pieces, gaps = pack_pieces(dst, sources, offsets)
+        turns.rehearse(dst, pieces)
+        srcs, zeros = validate(dst, pieces, gaps)
+        kernel_plan(dst, pieces, srcs, zeros, [], KERNELS_ONLY)  # CPU tables, uploaded nowhere, never launched
 
 
 def _cat_once(device: torch.device) -> None:

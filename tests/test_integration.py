@@ -627,7 +627,8 @@ def test_partition_twice_is_a_clear_error_and_changes_nothing(fake_world):
 
 def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatch):
     """Reading a config with the key starts the import of the step's module at that ZeRO stage (the flatten's at
-    1 and 2, the defragment's at 3) in a thread, once per module; nothing for stage 0 or a module imported already."""
+    1 and 2, the defragment's at 3) in a thread, then the planning's rehearsal, once per module; nothing for stage 0
+    or a module imported already."""
     import sys
 
     from ztriton.integrations.deepspeed import config
@@ -636,8 +637,15 @@ def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatc
     from types import SimpleNamespace
 
     monkeypatch.setattr(config, "_importing", set())
-    imported = []
-    monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=imported.append))  # config's own name only
+    imported, rehearsed = [], []
+    warmup = SimpleNamespace(warm_planning=lambda: rehearsed.append(imported[-1]))
+
+    def import_module(name):
+        if name == "ztriton.kernels.warmup":
+            return warmup
+        imported.append(name)
+
+    monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=import_module))  # config's own name only
     for name in ("ztriton.flatten", "ztriton.defragmenting"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert config.import_step_in_background(0) is None and config.import_step_in_background(None) is None
@@ -649,6 +657,7 @@ def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatc
             thread.join(5)
             assert not thread.daemon
     assert imported == ["ztriton.flatten", "ztriton.defragmenting"]
+    assert rehearsed == imported  # the kernels' planning rehearsed after each import
     monkeypatch.setattr(config, "_importing", set())
     monkeypatch.setitem(sys.modules, "ztriton.flatten", sys.modules.get("ztriton", None))
     assert config.import_step_in_background(2) is None  # imported already

@@ -176,8 +176,9 @@ _importing: set[str] = set()
 
 def import_step_in_background(stage: object) -> threading.Thread | None:
     """Import the module the key's step at ZeRO ``stage`` needs (the flatten's, the defragment's) in a thread, from
-    the moment a config with the key is read: DeepSpeed's engine set-up then hides a first import that the step
-    itself would otherwise pay in a fresh process (a few milliseconds). Once per module and process; a failure is
+    the moment a config with the key is read, then rehearse the kernels' planning (``warm_planning``): DeepSpeed's
+    engine set-up then hides a first import and first calls that the step itself would otherwise pay in a fresh
+    process (a few milliseconds). Once per module and process; a failure is
     logged at debug level (the step then imports it, and raises there if it must). Not a daemon: the interpreter
     waits for it at exit rather than stop it half way."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
@@ -188,6 +189,8 @@ def import_step_in_background(stage: object) -> threading.Thread | None:
     def run() -> None:
         try:
             importlib.import_module(name)
+            # Then the step's planning once on a tiny CPU job: its first calls of numpy and torch, paid here too.
+            importlib.import_module("ztriton.kernels.warmup").warm_planning()
         except Exception as exc:  # noqa: BLE001 -- best effort: the step imports it again and reports there
             logging.getLogger("ztriton").debug("ztriton: background import of %s failed (%s)", name, exc)
 
