@@ -1,0 +1,65 @@
+"""One fresh pack from an idle device to its end, as a flatten makes it, for pack (b) (2,000 log-uniform tensors)
+and the LLM mix: ``pack(fresh=True)`` (in turns) and one plan, median of 25 each, with torch's ``copy_``
+bandwidth measured in the same process for the ratio. One GPU.
+
+    python bench/probes/probe_fresh_pack.py [--tree DIR] [--out FILE.json]
+
+``--tree DIR``: import ztriton from another checkout (its ``ztriton/`` and ``kernels/``), so that two trees are
+compared in alternating processes on one machine (``bench/gpu_session.sh``-style set-up first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tree", type=Path, default=ROOT)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    sys.path.insert(0, str(args.tree.resolve()))
+    sys.path.insert(1, str(ROOT))
+    import torch
+
+    import ztriton.kernels  # the tree's, before bench's modules put this checkout first on the path
+    from ztriton.kernels import bits, pack, pack_plan
+
+    from bench.bench_kernels import group_layout, make_params, single_call_ms
+    from bench.harness import gbps, torch_copy_gbps
+    from bench.models import llm_mix, log_uniform_mix
+
+    assert Path(ztriton.kernels.__file__).resolve().is_relative_to(args.tree.resolve()), ztriton.kernels.__file__
+    copy_bw = torch_copy_gbps(2 << 30)  # as bench_kernels.py measures it
+    figures = {"tree": str(args.tree), "copy_gbps": copy_bw}
+    for name, shapes in (("pack_b_2000", log_uniform_mix()), ("llm_mix_602", llm_mix())):
+        params = make_params(shapes)
+        layout, offsets = group_layout(params)
+        flat = torch.empty(layout.total_numel, dtype=params[0].dtype, device="cuda")
+        pack_plan(flat, params, offsets).launch()
+        expected = bits(flat).clone()
+        flat.fill_(float("nan"))
+        pack(flat, params, offsets, fresh=True)
+        assert torch.equal(bits(flat), expected), f"{name}: in turns differs from one plan"
+        moved = 2 * sum(p.numel() * p.element_size() for p in params) + \
+            2 * (layout.total_numel - sum(p.numel() for p in params)) * params[0].element_size()
+        turns_ms = single_call_ms(lambda: pack(flat, params, offsets, fresh=True), reps=25)
+        plan_ms = single_call_ms(lambda: pack_plan(flat, params, offsets).launch(), reps=25)
+        figures[name] = {"turns_ms": turns_ms, "one_plan_ms": plan_ms,
+                         "turns_ratio_to_copy": gbps(moved, turns_ms) / copy_bw,
+                         "one_plan_ratio_to_copy": gbps(moved, plan_ms) / copy_bw}
+        print(f"{name}: in turns {turns_ms:.2f} ms ({figures[name]['turns_ratio_to_copy']:.3f}x copy_), "
+              f"one plan {plan_ms:.2f} ms ({figures[name]['one_plan_ratio_to_copy']:.3f}x)", flush=True)
+        del params, flat, expected
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
