@@ -58,16 +58,17 @@ def _config(backend: str, stage: int) -> dict:
     return config
 
 
-def _flatten_steps(spent: dict[str, float]):
-    """Add up each step of a flatten call's host milliseconds into ``spent``, for the block
-    (``probe_flatten_timeline.steps_wrapped``). Imports the flatten's modules before the timed step, which a
-    plain cell leaves to the step itself: hence opt-in (``--flatten-steps``), for finding where a fresh process's
-    flatten spends its time."""
+def _flatten_steps(spent: dict[str, float], timeline):
+    """Add up each step of a flatten call's host milliseconds into ``spent``, and record the call's timeline (each
+    step's host start and end, the device's end of the lead and of each turn: ``probe_flatten_timeline.Timeline``,
+    started by :func:`_timed_flattens`), for the block (``probe_flatten_timeline.steps_wrapped``). Imports the
+    flatten's modules before the timed step, which a plain cell leaves to the step itself: hence opt-in
+    (``--flatten-steps``), for finding where a fresh process's flatten spends its time."""
     from bench.probe_flatten_timeline import steps_wrapped
 
     def add(label, start, end, result):
         spent[label] = spent.get(label, 0.0) + (end - start) * 1e3
-        return result
+        return timeline.record(label, start, end, result)
 
     return steps_wrapped(add)
 
@@ -98,10 +99,11 @@ def _collections(out: dict, key: str):
 
 
 @contextlib.contextmanager
-def _timed_flattens(out: dict, sync):
+def _timed_flattens(out: dict, sync, timeline=None):
     """Add each ``flatten_dense_tensors_aligned`` call's seconds (synchronised on both sides) to
     ``out["flatten_seconds"]``: the one step the key changes at ZeRO-2, DeepSpeed's ``torch.cat`` or ztriton's
-    flatten, as the fresh process pays it (first calls and the flat buffer's allocation included)."""
+    flatten, as the fresh process pays it (first calls and the flat buffer's allocation included). With a
+    ``timeline`` (``--flatten-steps``), the first call's timeline goes to ``out["flatten_timeline"]``."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     installed = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned  # ztriton's wrapper when the key's hooks are in
@@ -111,14 +113,20 @@ def _timed_flattens(out: dict, sync):
     def timed_flatten(self, *args, **kwargs):
         sync()
         before = set(sys.modules)
+        first = timeline is not None and "flatten_timeline" not in out
+        if first:
+            timeline.start()
         start = time.perf_counter()
         try:
             with _collections(out, "flatten_gc"):
                 return installed(self, *args, **kwargs)
         finally:
+            returned = timeline.now_ms() if first else None
             sync()
             out["flatten_seconds"] += time.perf_counter() - start
             out["flatten_imports"] += sorted(set(sys.modules) - before)
+            if first:
+                out["flatten_timeline"] = {**timeline.result(), "returned_ms": returned, "whole_ms": timeline.now_ms()}
 
     DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned = timed_flatten
     try:
@@ -187,11 +195,16 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     logging.getLogger("ztriton").setLevel(logging.INFO)
     key_on = backend.startswith("triton")  # only ztriton's steps are wrapped or traced
     spent = {} if flatten_steps and key_on else None
+    timeline = None
+    if spent is not None:
+        from bench.probe_flatten_timeline import Timeline
+
+        timeline = Timeline(torch.cuda.is_available())
     calls = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulated_world(world, rank))
         if spent is not None:
-            stack.enter_context(_flatten_steps(spent))
+            stack.enter_context(_flatten_steps(spent, timeline))
         if trace and key_on:
             from bench.trace_calls import traced
 
@@ -199,7 +212,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-            with _timed_flattens(out, sync), _collections(out, "initialize_gc"):
+            with _timed_flattens(out, sync, timeline), _collections(out, "initialize_gc"):
                 _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
                     model=model, optimizer=optimizer, config=_config(backend, 2)))
         else:

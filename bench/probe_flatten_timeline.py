@@ -76,6 +76,64 @@ def steps_wrapped(after: Callable[[str, float, float, Any], Any]) -> Iterator[No
             setattr(owner, name, real)
 
 
+class Timeline:
+    """The rows of one call's steps (label, host start, host end: ms from :meth:`start`) as ``steps_wrapped``'s
+    ``after``, and on CUDA an event after the lead's copies and after each turn's launch, whose times are when
+    the device finished them."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.rows, self.events, self.t0, self.begin = cuda, [], [], 0.0, None
+
+    def start(self) -> None:
+        self.rows.clear()
+        self.events.clear()
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            import torch
+
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def record(self, label, start, end, result):
+        self.rows.append((label, (start - self.t0) * 1e3, (end - self.t0) * 1e3))
+        if self.cuda and label.startswith("plan"):
+            return _Launch(result, label, self)
+        if self.cuda and label == "lead copies":  # issued: the device's end of them is an event away
+            self._event()
+        return result
+
+    def _event(self) -> None:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+
+    def result(self) -> dict:
+        """The rows and (synchronise first) the device's end of each recorded launch, ms from the start."""
+        return {"rows": list(self.rows),
+                "device_ends_ms": [self.begin.elapsed_time(e) for e in self.events] if self.cuda else []}
+
+
+class _Launch:
+    """A plan whose launch is followed by an event and a "launched" row."""
+
+    def __init__(self, plan, label, timeline: Timeline):
+        self.plan, self.label, self.timeline = plan, label, timeline
+
+    def launch(self):
+        self.plan.launch()
+        self.timeline._event()
+        now = self.timeline.now_ms()
+        self.timeline.rows.append((self.label.replace("plan", "launched"), now, now))
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=["llm", "demo"], default="llm")
@@ -106,34 +164,7 @@ def main(argv=None) -> int:
 
         warm_up(torch.device("cuda", torch.cuda.current_device()))
 
-    rows: list[tuple[str, float, float]] = []
-    events: list = []
-    t0 = [0.0]
-
-    def record(label, start, end, result):
-        rows.append((label, (start - t0[0]) * 1e3, (end - t0[0]) * 1e3))
-        if cuda and label.startswith("plan"):
-            return _Launch(result, label)
-        if cuda and label == "lead copies":  # issued: the device's end of them is an event away
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            events.append(event)
-        return result
-
-    class _Launch:
-        def __init__(self, plan, label):
-            self.plan, self.label = plan, label
-
-        def launch(self):
-            self.plan.launch()
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            events.append(event)
-            rows.append((self.label.replace("plan", "launched"), (time.perf_counter() - t0[0]) * 1e3,
-                         (time.perf_counter() - t0[0]) * 1e3))
-
-        def __getattr__(self, name):
-            return getattr(self.plan, name)
+    timeline = Timeline(cuda)
 
     def params():
         made = [torch.nn.Parameter(torch.empty(*s, dtype=torch.bfloat16, device=device)) for s in shapes]
@@ -142,21 +173,15 @@ def main(argv=None) -> int:
 
     def once() -> dict:
         group = params()
-        rows.clear()
-        events.clear()
-        begin = torch.cuda.Event(enable_timing=True) if cuda else None
-        t0[0] = time.perf_counter()
-        if cuda:
-            begin.record()
+        timeline.start()
         flat = ztriton.flatten_groups([group])
-        returned = (time.perf_counter() - t0[0]) * 1e3
+        returned = timeline.now_ms()
         sync()
-        whole = (time.perf_counter() - t0[0]) * 1e3
-        device_ends = [begin.elapsed_time(e) for e in events] if cuda else []
+        whole = timeline.now_ms()
         del flat, group
-        return {"rows": list(rows), "returned_ms": returned, "whole_ms": whole, "device_ends_ms": device_ends}
+        return {**timeline.result(), "returned_ms": returned, "whole_ms": whole}
 
-    with steps_wrapped(record), simulated_world(8, 3):
+    with steps_wrapped(timeline.record), simulated_world(8, 3):
         once()
         runs = [once() for _ in range(args.repeats)]
 

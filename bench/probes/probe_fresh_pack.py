@@ -21,6 +21,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tree", type=Path, default=ROOT)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--first-turns", type=int, nargs="*", default=[],
+                        help="also time the call in turns with each of these first turns, interleaved")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
     sys.path.insert(1, str(ROOT))
@@ -49,7 +51,10 @@ def main() -> int:
             2 * (layout.total_numel - sum(p.numel() for p in params)) * params[0].element_size()
         turns_ms = single_call_ms(lambda: pack(flat, params, offsets, fresh=True), reps=25)
         plan_ms = single_call_ms(lambda: pack_plan(flat, params, offsets).launch(), reps=25)
-        figures[name] = {"turns_ms": turns_ms, "one_plan_ms": plan_ms,
+        by_first = _by_first_turn(args.first_turns, lambda: pack(flat, params, offsets, fresh=True), single_call_ms)
+        if by_first:
+            print(f"{name}: in turns by first turn: " + ", ".join(f"{k} {v:.2f} ms" for k, v in by_first.items()))
+        figures[name] = {"turns_ms": turns_ms, "one_plan_ms": plan_ms, "turns_ms_by_first_turn": by_first,
                          "turns_ratio_to_copy": gbps(moved, turns_ms) / copy_bw,
                          "one_plan_ratio_to_copy": gbps(moved, plan_ms) / copy_bw}
         print(f"{name}: in turns {turns_ms:.2f} ms ({figures[name]['turns_ratio_to_copy']:.3f}x copy_), "
@@ -59,6 +64,21 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(figures, indent=1))
     return 0
+
+
+def _by_first_turn(sizes: list[int], call, single_call_ms) -> dict[int, float]:
+    """The median call in turns with ``turns.FIRST_TURN`` at each of ``sizes``, rounds interleaved."""
+    from ztriton.kernels import turns
+
+    default, samples = turns.FIRST_TURN, {size: [] for size in sizes}
+    try:
+        for _ in range(9):
+            for size in sizes:
+                turns.FIRST_TURN = size
+                samples[size].append(single_call_ms(call, reps=3))
+    finally:
+        turns.FIRST_TURN = default
+    return {size: sorted(found)[len(found) // 2] for size, found in samples.items()}
 
 
 if __name__ == "__main__":

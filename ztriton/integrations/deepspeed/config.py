@@ -11,7 +11,6 @@ import difflib
 import importlib
 import logging
 import os
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -178,13 +177,13 @@ def import_step_in_background(stage: object) -> threading.Thread | None:
     """Import the module the key's step at ZeRO ``stage`` needs (the flatten's, the defragment's) in a thread, from
     the moment a config with the key is read, then rehearse the kernels' planning (``warm_planning``): DeepSpeed's
     engine set-up then hides a first import and first calls that the step itself would otherwise pay in a fresh
-    process (a few milliseconds). Once per module and process; a failure is
-    logged at debug level (the step then imports it, and raises there if it must). Not a daemon: the interpreter
-    waits for it at exit rather than stop it half way."""
+    process (a few milliseconds). Once per module and process (a module imported already is still rehearsed for); a
+    failure is logged at debug level (the step then imports it, and raises there if it must). Not a daemon: the
+    interpreter waits for it at exit rather than stop it half way."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
-    if name is None or name in _importing or name in sys.modules:
+    if name is None or name in _importing:
         return None
-    _importing.add(name)
+    _importing.add(name)  # once per module and process, imported already or not: the rehearsal still helps
 
     def run() -> None:
         try:
