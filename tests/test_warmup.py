@@ -390,3 +390,17 @@ def test_the_planning_rehearsal_runs_on_the_cpu_alone_and_leaves_the_planning_as
     got = torch.full_like(expected, float("nan"))
     pack(got, sources, [0, 8, 32])  # the kernels under the interpreter on this CPU box, torch's copies elsewhere
     assert torch.equal(bits(got), bits(expected)) and all(torch.equal(bits(s), b) for s, b in zip(sources, before))
+
+
+@pytest.mark.parametrize("count, local_rank, expected", [(8, "3", [3, 3]), (1, None, [0, 0]), (8, None, [])])
+def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monkeypatch, count, local_rank, expected):
+    """Under the key the preload and torch's cat load start from the config's parse (the background import's
+    thread), on the device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
+    asked = []
+    monkeypatch.setattr(warmup, "preload_in_background", asked.append)
+    monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    ds_config.start_preload()
+    assert asked == expected

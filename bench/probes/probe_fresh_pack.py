@@ -32,7 +32,7 @@ def main() -> int:
     from ztriton.kernels import bits, pack, pack_plan
 
     from bench.bench_kernels import group_layout, make_params, single_call_ms
-    from bench.harness import gbps, torch_copy_gbps
+    from bench.harness import gbps, time_ms, torch_copy_gbps
     from bench.models import llm_mix, log_uniform_mix
 
     assert Path(ztriton.kernels.__file__).resolve().is_relative_to(args.tree.resolve()), ztriton.kernels.__file__
@@ -52,9 +52,17 @@ def main() -> int:
         turns_ms = single_call_ms(lambda: pack(flat, params, offsets, fresh=True), reps=25)
         plan_ms = single_call_ms(lambda: pack_plan(flat, params, offsets).launch(), reps=25)
         by_first = _by_first_turn(args.first_turns, lambda: pack(flat, params, offsets, fresh=True), single_call_ms)
+        # bench_kernels.py times the call in turns after ~100 ms of back-to-back plans (its end-to-end figure),
+        # with a plan kept: the same call again after those, to see whether what they leave changes it.
+        kept = pack_plan(flat, params, offsets)
+        time_ms(lambda: pack_plan(flat, params, offsets).launch(), warmup_ms=10, rep_ms=100)
+        after_ms = single_call_ms(lambda: pack(flat, params, offsets, fresh=True), reps=25)
+        del kept
+        print(f"{name}: in turns after back-to-back plans {after_ms:.2f} ms", flush=True)
         if by_first:
             print(f"{name}: in turns by first turn: " + ", ".join(f"{k} {v:.2f} ms" for k, v in by_first.items()))
         figures[name] = {"turns_ms": turns_ms, "one_plan_ms": plan_ms, "turns_ms_by_first_turn": by_first,
+                         "turns_ms_after_back_to_back": after_ms,
                          "turns_ratio_to_copy": gbps(moved, turns_ms) / copy_bw,
                          "one_plan_ratio_to_copy": gbps(moved, plan_ms) / copy_bw}
         print(f"{name}: in turns {turns_ms:.2f} ms ({figures[name]['turns_ratio_to_copy']:.3f}x copy_), "

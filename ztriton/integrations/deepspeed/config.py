@@ -140,32 +140,54 @@ def start_kernel_warm_up() -> None:
     {"warm_up_kernels": true}``): DeepSpeed's own set-up (engine, process groups, the model build) then hides
     the first launch's fixed cost (``kernels.warmup``). Off by default: a process that never needs a kernel
     would pay for the thread inside ZeRO-3's initialize (bench/NOTES.md, "Kernels: why the tuning is what it is").
-
-    Only on the GPU this rank will use: ``LOCAL_RANK`` (DeepSpeed's launcher sets it and DeepSpeed
-    selects that device), else the only GPU. With several GPUs and no LOCAL_RANK nothing starts: a guess
-    could put a CUDA context on another rank's GPU (an initialised CUDA does not say the device was
-    chosen yet: zero.Init reads its config before DeepSpeed sets the device). Best effort: a failure to
-    start it (no threads left) is logged and changes nothing else.
+    Only on :func:`rank_device`'s GPU. Best effort: a failure to start it (no threads left) is logged and changes
+    nothing else.
     """
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    if not torch.cuda.is_available() or get_accelerator().device_name() != "cuda":
+    index = rank_device()
+    if index is None:
         return
     from ztriton.kernels.warmup import warm_up_in_background
 
-    count = torch.cuda.device_count()
-    local_rank = os.environ.get("LOCAL_RANK", "")
-    if local_rank.isdigit() and int(local_rank) < count:
-        index = int(local_rank)
-    elif count == 1:
-        index = 0
-    else:
-        return
     try:
         warm_up_in_background(index)
     except RuntimeError as exc:  # threading's "can't start new thread"
         logging.getLogger("ztriton").debug("ztriton: kernel warm-up not started (%s)", exc)
+
+
+def start_preload() -> None:
+    """Under the key, from the moment a config is read: the compiled word copies loaded, torch's pinned-memory cache
+    filled and torch's cat kernel loaded in threads (``kernels.warmup``; never Triton's JIT) on
+    :func:`rank_device`'s GPU, so that they are done before the step needs them (started only when DeepSpeed
+    configured the optimizer, the preload was still loading binaries inside the flatten and held the GIL there:
+    bench/NOTES.md, session 16). Where no GPU is known yet, the engine's hook starts it on the engine's device."""
+    index = rank_device()
+    if index is None:
+        return
+    from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
+
+    for start in (preload_in_background, load_torch_cat_in_background):
+        try:
+            start(index)
+        except RuntimeError as exc:  # threading's "can't start new thread"
+            logging.getLogger("ztriton").debug("ztriton: %s not started (%s)", start.__name__, exc)
+
+
+def rank_device() -> int | None:
+    """The CUDA device this rank will use, where known before DeepSpeed sets it: ``LOCAL_RANK`` (DeepSpeed's
+    launcher, torchrun and accelerate set it, and DeepSpeed selects that device), else the only GPU; None with
+    several GPUs and no LOCAL_RANK (a guess could put a CUDA context on another rank's GPU; an initialised CUDA does
+    not say the device was chosen yet: zero.Init reads its config before DeepSpeed sets the device), without CUDA,
+    or where DeepSpeed's accelerator is not CUDA."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if not torch.cuda.is_available() or get_accelerator().device_name() != "cuda":
+        return None
+    count = torch.cuda.device_count()
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if local_rank.isdigit() and int(local_rank) < count:
+        return int(local_rank)
+    return 0 if count == 1 else None
 
 
 # The module the key's step at each ZeRO stage imports on first use, and those imported (or importing) already.
@@ -174,12 +196,12 @@ _importing: set[str] = set()
 
 
 def import_step_in_background(stage: object) -> threading.Thread | None:
-    """Import the module the key's step at ZeRO ``stage`` needs (the flatten's, the defragment's) in a thread, from
-    the moment a config with the key is read, then rehearse the kernels' planning (``warm_planning``): DeepSpeed's
-    engine set-up then hides a first import and first calls that the step itself would otherwise pay in a fresh
-    process (a few milliseconds). Once per module and process (a module imported already is still rehearsed for); a
-    failure is logged at debug level (the step then imports it, and raises there if it must). Not a daemon: the
-    interpreter waits for it at exit rather than stop it half way."""
+    """Start the preload (:func:`start_preload`), import the module the key's step at ZeRO ``stage`` needs (the
+    flatten's, the defragment's) and rehearse the kernels' planning (``warm_planning``), in a thread from the
+    moment a config with the key is read: DeepSpeed's engine set-up then hides a first import and first calls that
+    the step itself would otherwise pay in a fresh process (a few milliseconds). Once per module and process (a
+    module imported already is still rehearsed for); a failure is logged at debug level (the step then imports it,
+    and raises there if it must). Not a daemon: the interpreter waits for it at exit rather than stop it half way."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
     if name is None or name in _importing:
         return None
@@ -187,6 +209,7 @@ def import_step_in_background(stage: object) -> threading.Thread | None:
 
     def run() -> None:
         try:
+            start_preload()  # its own threads: the driver's loads and pinned allocations release the GIL
             importlib.import_module(name)
             # Then the step's planning once on a tiny CPU job: its first calls of numpy and torch, paid here too.
             importlib.import_module("ztriton.kernels.warmup").warm_planning()

@@ -7,15 +7,18 @@ checkpoint loading stay DeepSpeed's.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 
 import torch
 
 from ztriton.integrations.deepspeed import report
 from ztriton.integrations.deepspeed.config import settings_from, warn_if_no_effect
 from ztriton.integrations.deepspeed.state import STATE
+from ztriton.kernels.checks import each
 from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
 
 logger = logging.getLogger("ztriton")
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def engine_configure_zero_optimizer(original, self, *args, **kwargs):
@@ -111,11 +114,12 @@ def _zero12_layout_mismatch(call, group) -> str | None:
     if call.alignment != NCCL_START_ALIGNMENT_FACTOR * world:
         return f"alignment {call.alignment} is not {NCCL_START_ALIGNMENT_FACTOR} x world size {world}"
     tensors = call.tensors
-    if not tensors or not all(t.requires_grad and t.numel() > 0 for t in tensors):
+    numels = each("numel", tensors) if tensors else []  # one read per attribute over thousands of params
+    if not tensors or not all(map(_REQUIRES_GRAD, tensors)) or min(numels) <= 0:
         return "a frozen or empty tensor in the group"
     if call.offsets is None:
         return None
-    layout = zero12_group_layout([t.numel() for t in tensors], world, element_size=tensors[0].element_size(),
+    layout = zero12_group_layout(numels, world, element_size=tensors[0].element_size(),
                                  parameter_alignment=call.parameter_alignment)
     if list(layout.offsets) != list(call.offsets) or list(layout.paddings) != list(call.paddings):
         return "offsets or paddings"
