@@ -25,6 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 # (module, attribute, label): the steps of one flatten call, in the order they run.
 STEPS = [
+    # DeepSpeed's ZeRO-1/2 hook around the flatten (bench_coldstart's cells; the probe's own calls skip it).
+    ("ztriton.integrations.deepspeed.optimizers", "_zero12_layout_mismatch", "layout agreement (hook)"),
+    ("ztriton.integrations.deepspeed.report", "measure_peak", "peak-measured flatten (hook)"),
+    ("ztriton.flatten.groups", "world_of", "world of the group"),
+    ("ztriton.flatten.groups", "agreed", "checks, agreed over ranks"),
     ("ztriton.flatten.groups", "_param_lists", "param lists"),
     ("ztriton.flatten.groups", "_prepare", "prepare (checks, layout)"),
     ("ztriton.flatten.groups", "_check_kernels_take", "kernels take"),
