@@ -53,10 +53,12 @@ _preloaded: dict[int, threading.Thread] = {}  # devices the compiled word copies
 # The word copy's classes in the order a flatten of bf16 params needs them: 16-byte bodies, then 2-byte heads and
 # tails, then the others.
 _PRELOAD_UNITS = (16, 2, 4, 8, 1)
-# Pinned blocks that fill torch's pinned-memory cache, one of each power-of-two size a plan's tables take (a row is
-# 24 bytes; up to 1 MiB: a turn of thousands of pieces), so that a fresh process's first plans mostly allocate none
-# (each costs a cudaHostAlloc). Two of each made the fresh flatten slower: the thread's allocations then overlap it.
+# Pinned blocks that fill torch's pinned-memory cache, of each power-of-two size a plan's tables take (a row is
+# 24 bytes; up to 1 MiB: a turn of thousands of pieces), so that a fresh process's first plans allocate none (each
+# costs a cudaHostAlloc, ~1 ms). Two of each: a turn's upload waits on the stream behind the previous turn's
+# kernels, so its block is still busy when the next turn, often of the same size, asks for one.
 _PINNED_SIZES = tuple(1 << k for k in range(12, 21))
+_PINNED_EACH = 2
 _threads: list[threading.Thread] = []  # every warm-up started, for the wait at exit
 # Inputs of the tiny cat that loads torch's kernel: as many as a batch of a flatten's cat (torch picks its kernel
 # by the inputs' count, alignment and contiguity), 16 int64 words each.
@@ -194,9 +196,11 @@ def _preload_once(device: torch.device) -> None:
 
 
 def _fill_pinned_cache(device: torch.device) -> None:
-    """One pinned block of each of ``_PINNED_SIZES``, freed into torch's cache, the process's first host-to-device
-    copy from one of them, and its first device-to-device copy (the lead's ``copy_`` of bytes)."""
-    blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in _PINNED_SIZES]
+    """``_PINNED_EACH`` pinned blocks of each of ``_PINNED_SIZES`` (all held at once: distinct blocks), freed into
+    torch's cache, the process's first host-to-device copy from one of them, and its first device-to-device copy
+    (the lead's ``copy_`` of bytes)."""
+    blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True)
+              for size in _PINNED_SIZES for _ in range(_PINNED_EACH)]
     on_device = blocks[0][:64].to(device, non_blocking=True)
     torch.empty_like(on_device).narrow(0, 0, 32).copy_(on_device.narrow(0, 32, 32))
 
