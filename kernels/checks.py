@@ -196,8 +196,12 @@ def as_zero_ranges(zero_ranges, dst: torch.Tensor) -> np.ndarray:
         zeros = np.array(flat, dtype=np.int64).reshape(-1, 2)
     if not len(zeros):
         return zeros
-    ends = zeros[:, 0] + zeros[:, 1]
-    if zeros.min() >= 0 and ends.max() <= dst.numel():  # the common case: three reductions, no mask
+    if not within_index_limit(zeros):
+        i = int(np.flatnonzero(((zeros <= -_INDEX_LIMIT) | (zeros >= _INDEX_LIMIT)).any(1))[0])
+        raise ValueError(f"zero range {i}: ({int(zeros[i, 0])}, {int(zeros[i, 1])}) is out of range: sizes and "
+                         "offsets must be below 2**62")
+    ends = zeros[:, 0] + zeros[:, 1]  # no overflow below 2**62
+    if zeros.min() >= 0 and ends.max() <= dst.numel():  # the common case: a few reductions, no mask
         return zeros
     i = first_true((zeros[:, 0] < 0) | (zeros[:, 1] < 0) | (ends > dst.numel()))
     if i is not None:

@@ -33,9 +33,10 @@ class PackPieces(Sequence):
     re-deriving the ranges from thousands of tuples. Indexing gives the :class:`Piece`.
 
     ``gaps``: set by a builder that checked the pieces' destination ranges pairwise disjoint, to the zero ranges it
-    computed as what they leave uncovered (disjoint from every piece by construction); a subset (:meth:`take`)
-    keeps it. Validation then skips the disjointness check of these pieces with no zero ranges or with exactly
-    these (:func:`known_disjoint`): a second pass over thousands of ranges before a fresh pack's first launch.
+    computed as what they leave uncovered (disjoint from every piece by construction); a selection of distinct
+    pieces (:meth:`take` with ``distinct=True``) keeps it. Validation then skips the disjointness check of these
+    pieces with no zero ranges or with exactly these (:func:`known_disjoint`): a second pass over thousands of
+    ranges before a fresh pack's first launch. The columns and ``gaps`` are the builder's: never changed after.
     """
 
     def __init__(self, sources: list, start: np.ndarray, count: np.ndarray, offset: np.ndarray, numel: np.ndarray,
@@ -51,13 +52,15 @@ class PackPieces(Sequence):
             return [self[k] for k in range(*i.indices(len(self)))]
         return Piece(self.sources[i], int(self.start[i]), int(self.count[i]), int(self.offset[i]))
 
-    def take(self, indices: np.ndarray) -> "PackPieces":
-        """The pieces at ``indices`` (an integer array, in that order), still as columns."""
+    def take(self, indices: np.ndarray, distinct: bool = False) -> "PackPieces":
+        """The pieces at ``indices`` (an integer array, in that order), still as columns. ``distinct``: the caller
+        knows no index repeats (a part of a permutation), so the selection keeps ``gaps``; otherwise it drops them
+        (a piece taken twice overlaps itself)."""
         if not isinstance(indices, np.ndarray) or indices.dtype.kind not in "iu":
             raise TypeError(f"indices must be an integer numpy array, got {show(indices)}")  # a mask would mis-pick
         sources = self.sources
         return PackPieces([sources[i] for i in indices.tolist()], self.start[indices], self.count[indices],
-                          self.offset[indices], self.numel[indices], self.gaps)
+                          self.offset[indices], self.numel[indices], self.gaps if distinct else None)
 
 
 def known_disjoint(pieces: Sequence[Piece], zeros: np.ndarray) -> bool:

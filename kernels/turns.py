@@ -138,7 +138,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
         left = np.ones(len(pieces), dtype=bool)
         left[first] = False
-        rest = pieces.take(np.flatnonzero(left))
+        rest = pieces.take(np.flatnonzero(left), distinct=True)
     if not worth_turns(dst, rest):
         if len(rest) or len(zeros):
             with _errors_as_one_plan(dst, pieces, zeros, what):
@@ -157,7 +157,8 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         with _errors_as_one_plan(dst, pieces, zeros, what):
             # The kernels always: a last turn of a few small pieces would otherwise
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
-            make_plan(dst, rest.take(order[a:b]), zeros_now, KERNELS_ONLY, what=what, run_now=True).launch()
+            make_plan(dst, rest.take(order[a:b], distinct=True), zeros_now, KERNELS_ONLY, what=what,
+                      run_now=True).launch()
 
 
 def rehearse(dst: torch.Tensor, pieces: PackPieces) -> None:
@@ -166,7 +167,7 @@ def rehearse(dst: torch.Tensor, pieces: PackPieces) -> None:
     count = np.maximum(pieces.count, 0)
     first = _biggest(count, 2)
     _rest_by_size(count, first)
-    validate(dst, pieces.take(first), ())
+    validate(dst, pieces.take(first, distinct=True), ())
     _copy_lead(dst, pieces, first[:1])
 
 

@@ -213,11 +213,14 @@ def warm_planning() -> None:
     sources = [torch.zeros(n, dtype=torch.bfloat16) for n in (64, 3, 13, 8, 5, 16)]  # odd sizes: tails
     offsets = [0, 64, 72, 88, 96, 104]
     buffer = torch.empty(136, dtype=torch.bfloat16)
-    for dst in (buffer[:128], buffer[1:129]):  # at a 16-byte address (bodies and tails), and not (heads too)
+    for dst in (buffer[:128], buffer[1:129]):  # at a 16-byte address, and not
         pieces, gaps = pack_pieces(dst, sources, offsets)
         turns.rehearse(dst, pieces)
-        srcs, zeros = validate(dst, pieces, gaps)
-        kernel_plan(dst, pieces, srcs, zeros, [], KERNELS_ONLY)  # CPU tables, uploaded nowhere, never launched
+        # CPU tables, uploaded nowhere, never launched: a turn without zero ranges (at 16-byte addresses: bodies and
+        # tails only) and the last turn with them (the gaps start anywhere: heads too).
+        for zero_ranges in ((), gaps):
+            srcs, zeros = validate(dst, pieces, zero_ranges)
+            kernel_plan(dst, pieces, srcs, zeros, [], KERNELS_ONLY)
 
 
 def _cat_once(device: torch.device) -> None:

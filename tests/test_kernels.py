@@ -1131,8 +1131,14 @@ def test_a_pack_s_pieces_with_other_zero_ranges_are_still_checked_for_overlap():
     sources = [torch.arange(4.0), torch.arange(3.0)]
     dst = torch.full((10,), 7.0)
     pieces, gaps = pack_pieces(dst, sources, [0, 6])
-    assert known_disjoint(pieces, gaps) and known_disjoint(pieces.take(np.array([1])), gaps)
+    assert known_disjoint(pieces, gaps) and known_disjoint(pieces.take(np.array([1]), distinct=True), gaps)
     assert known_disjoint(pieces, gaps[:0]) and not known_disjoint(pieces, gaps.copy())
     with pytest.raises(ValueError, match=r"sources\[0\].*a pad range.*overlap"):
         make_plan(dst, pieces, np.array([[2, 3]], dtype=np.int64))
+    twice = pieces.take(np.array([0, 0]))  # not known distinct: a piece taken twice overlaps itself
+    assert not known_disjoint(twice, gaps)
+    with pytest.raises(ValueError, match=r"sources\[0\].*sources\[1\].*overlap"):
+        make_plan(dst, twice)
+    with pytest.raises(ValueError, match=r"zero range 0.*out of range"):  # an end past int64 is refused
+        make_plan(dst, pieces, np.array([[2**62, 2**62]], dtype=np.int64))
     assert bool((dst == 7.0).all())

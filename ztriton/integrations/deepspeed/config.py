@@ -210,6 +210,9 @@ def import_step_in_background(stage: object) -> threading.Thread | None:
     def run() -> None:
         try:
             start_preload()  # its own threads: the driver's loads and pinned allocations release the GIL
+        except Exception as exc:  # noqa: BLE001 -- best effort: the engine's hook starts it on its device
+            logging.getLogger("ztriton").debug("ztriton: preload from the config not started (%s)", exc)
+        try:
             importlib.import_module(name)
             # Then the step's planning once on a tiny CPU job: its first calls of numpy and torch, paid here too.
             importlib.import_module("ztriton.kernels.warmup").warm_planning()
