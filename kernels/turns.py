@@ -77,13 +77,21 @@ def turns(n: int, first: int | None = None, growth: int | None = None, last: int
 
 def schedule(pieces: PackPieces) -> list[np.ndarray]:
     """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
+    return [indices for indices, _ in _in_turns(pieces)]
+
+
+def _in_turns(pieces: PackPieces) -> Iterator[tuple[np.ndarray, bool]]:
+    """:func:`schedule`'s turns, each with whether it is the last, the order found as they are asked for: the first
+    turn's pieces without sorting them all, the rest sorted only when the second turn is asked for (in a fresh
+    pack, while the device copies the first)."""
     bounds = list(turns(len(pieces)))
-    if not bounds:
-        return []
     count = np.maximum(pieces.count, 0)
-    first = _biggest(count, bounds[0][1])
-    order = np.concatenate([first, _rest_by_size(count, first)])
-    return [order[a:b] for a, b in bounds]
+    for t, (a, b) in enumerate(bounds):
+        if t == 0:
+            order = _biggest(count, b)
+        elif t == 1:
+            order = np.concatenate([order, _rest_by_size(count, order)])
+        yield order[a:b], t == len(bounds) - 1
 
 
 def _biggest(count: np.ndarray, k: int) -> np.ndarray:
@@ -144,20 +152,14 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             with _errors_as_one_plan(dst, pieces, zeros, what):
                 run_plan(dst, rest, zeros, what=what)
         return
-    bounds = list(turns(len(rest)))
-    count = np.maximum(rest.count, 0)
-    # The first turn's pieces found without sorting them all; the rest sorted while the device copies them.
-    order = _biggest(count, bounds[0][1])
     no_zeros = zeros[:0]
-    for t, (a, b) in enumerate(bounds):
-        if t == 1:
-            order = np.concatenate([order, _rest_by_size(count, order)])
+    for indices, last in _in_turns(rest):
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
-        zeros_now = zeros if t == len(bounds) - 1 else no_zeros
+        zeros_now = zeros if last else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):
             # The kernels always: a last turn of a few small pieces would otherwise
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
-            make_plan(dst, rest.take(order[a:b], distinct=True), zeros_now, KERNELS_ONLY, what=what,
+            make_plan(dst, rest.take(indices, distinct=True), zeros_now, KERNELS_ONLY, what=what,
                       run_now=True).launch()
 
 

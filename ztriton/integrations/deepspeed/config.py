@@ -155,19 +155,24 @@ def start_kernel_warm_up() -> None:
 
 
 def start_preload() -> None:
-    """Under the key, from the moment a config is read: the compiled word copies loaded, torch's pinned-memory cache
-    filled and torch's cat kernel loaded in threads (``kernels.warmup``; never Triton's JIT) on
-    :func:`rank_device`'s GPU, so that they are done before the step needs them (started only when DeepSpeed
-    configured the optimizer, the preload was still loading binaries inside the flatten and held the GIL there:
-    bench/NOTES.md, session 16). Where no GPU is known yet, the engine's hook starts it on the engine's device."""
+    """Under the key, from the moment a config is read: :func:`preload_on` :func:`rank_device`'s GPU, so that the
+    preload is done before the step needs it (one started only when DeepSpeed configures the optimizer is still
+    loading inside the flatten, holding the GIL there). Where no GPU is known yet, the engine's hook starts it on
+    the engine's device."""
     index = rank_device()
-    if index is None:
-        return
+    if index is not None:
+        preload_on(index)
+
+
+def preload_on(device) -> None:
+    """Best effort: threads that load the compiled word copies, fill torch's pinned-memory cache and load torch's cat
+    kernel on ``device`` (``kernels.warmup``; never Triton's JIT). A thread that cannot start changes nothing but the
+    first copy's time."""
     from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
 
     for start in (preload_in_background, load_torch_cat_in_background):
         try:
-            start(index)
+            start(device)
         except RuntimeError as exc:  # threading's "can't start new thread"
             logging.getLogger("ztriton").debug("ztriton: %s not started (%s)", start.__name__, exc)
 

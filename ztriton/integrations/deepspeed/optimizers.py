@@ -12,7 +12,7 @@ from operator import attrgetter
 import torch
 
 from ztriton.integrations.deepspeed import report
-from ztriton.integrations.deepspeed.config import settings_from, warn_if_no_effect
+from ztriton.integrations.deepspeed.config import preload_on, settings_from, warn_if_no_effect
 from ztriton.integrations.deepspeed.state import STATE
 from ztriton.kernels.checks import each
 from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
@@ -36,20 +36,12 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
 
 
 def _preload(device) -> None:
-    """Best effort: threads that load torch's cat kernel and the compiled word copies, and fill torch's pinned-memory
-    cache, while DeepSpeed builds the optimizer (``kernels/warmup.py``). A thread that cannot start changes nothing
-    but the first copy's time."""
+    """:func:`~ztriton.integrations.deepspeed.config.preload_on` the engine's device while DeepSpeed builds the
+    optimizer, where it is an indexed CUDA device (the config's parse started it already where it knew the GPU)."""
     import torch
 
-    if not isinstance(device, torch.device) or device.type != "cuda" or device.index is None:
-        return
-    from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
-
-    for start in (preload_in_background, load_torch_cat_in_background):
-        try:
-            start(device)
-        except RuntimeError as exc:  # threading's "can't start new thread"
-            logger.debug("ztriton: %s not started (%s)", start.__name__, exc)
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+        preload_on(device)
 
 
 def accelerator_available_memory(original, self, *args, **kwargs):
