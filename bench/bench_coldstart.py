@@ -5,6 +5,8 @@ filled by the previous process ("warm"), key off vs on.
     python bench/bench_coldstart.py --smoke      # tiny mix on the CPU (kernels under the interpreter)
     python bench/bench_coldstart.py --steps zero2 --backends triton --flatten-steps   # where the flatten's time goes
     python bench/bench_coldstart.py --steps zero2 --warm-repeats 10 --ab-tree DIR      # this tree against DIR's
+    python bench/bench_coldstart.py --steps zero2 --warm-repeats 10 --trace-deepspeed  # where initialize's time goes
+    python bench/probes/compare_traces.py bench/results/coldstart.json                  # ... key on against key off
 
 Cells (the 8.6 GiB LLM mix of ``bench.models.llm_mix``, bf16, simulated rank ``--rank`` of ``--world``):
 
@@ -148,10 +150,39 @@ TRACED_MODULES = ["ztriton.integrations.deepspeed.optimizers", "ztriton.integrat
 TRACED_TORCH = ("torch._foreach_copy_", "torch._foreach_zero_", "torch.Tensor.copy_", "torch.Tensor.zero_",
                 "torch.Tensor.split", "torch.Tensor.view", "torch.Tensor.as_strided", "torch.Tensor.narrow",
                 "torch.empty", "torch.zeros")
+# What ``--trace-deepspeed`` follows, key off and on alike: DeepSpeed's initialize down to the ZeRO-1/2 optimizer's
+# methods, the config's parse and the collectives, so that the key's cost outside its own steps shows by phase.
+TRACED_DEEPSPEED = ["deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
+                    "deepspeed.runtime.config", "deepspeed.runtime.utils", "deepspeed.comm.comm"]
+
+
+@contextlib.contextmanager
+def _threads_recorded(out: dict, origin: float):
+    """Each thread that runs in the block: its name, start and end (seconds from ``origin``, the process's start)
+    and CPU seconds, in ``out["threads"]``: what of the key's background work (the step's import, the rehearsal,
+    the preload) overlaps the main thread's."""
+    import threading
+
+    found = out.setdefault("threads", [])
+    run = threading.Thread.run
+
+    def recorded(self):
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            run(self)
+        finally:
+            found.append({"name": self.name, "start": start - origin, "end": time.perf_counter() - origin,
+                          "cpu_seconds": time.thread_time() - cpu})
+
+    threading.Thread.run = recorded
+    try:
+        yield
+    finally:
+        threading.Thread.run = run
 
 
 def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatten_steps: bool = False,
-             trace: bool = False, preimport: tuple[str, ...] = ()) -> dict:
+             trace: bool = False, preimport: tuple[str, ...] = (), trace_deepspeed: bool = False) -> dict:
     import importlib
 
     import torch
@@ -200,7 +231,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
         from bench.probe_flatten_timeline import Timeline
 
         timeline = Timeline(torch.cuda.is_available())
-    calls = None
+    calls = deepspeed_calls = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(simulated_world(world, rank))
         if spent is not None:
@@ -209,12 +240,19 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
             from bench.trace_calls import traced
 
             calls = stack.enter_context(traced(TRACED_MODULES, TRACED_TORCH))
+        if trace_deepspeed:
+            from bench.trace_calls import traced
+
+            deepspeed_calls = stack.enter_context(traced(TRACED_DEEPSPEED))
+            stack.enter_context(_threads_recorded(out, STARTED))
         if step == "zero2":
             model = LLMMix(shapes, layers, dtype=torch.bfloat16, device=device)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+            cpu, out["initialize_start"] = time.thread_time(), time.perf_counter() - STARTED  # (threads' clock)
             with _timed_flattens(out, sync, timeline), _collections(out, "initialize_gc"):
                 _, out["initialize_seconds"] = timed(lambda: deepspeed.initialize(
                     model=model, optimizer=optimizer, config=_config(backend, 2)))
+            out["initialize_cpu_seconds"] = time.thread_time() - cpu  # the main thread's own CPU time in it
         else:
             config = _config(backend, 3)
 
@@ -238,6 +276,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
         out["flatten_steps_ms"] = spent
     if calls is not None:
         out["trace"] = calls.lines(min_ms=0.5)
+    if deepspeed_calls is not None:
+        out["deepspeed_trace"] = deepspeed_calls.as_dict(min_ms=0.05)
     return out
 
 
@@ -256,6 +296,8 @@ def _child(step: str, backend: str, cache: str, args) -> dict:
         cmd.append("--flatten-steps")
     if args.trace:
         cmd.append("--trace")
+    if args.trace_deepspeed:
+        cmd.append("--trace-deepspeed")
     if args.preimport:
         cmd += ["--preimport", *args.preimport]
     start = time.perf_counter()
@@ -313,6 +355,10 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", action="store_true",
                         help="key-on cells keep a wall-clock call tree of ztriton's functions (bench/trace_calls.py; "
                              "imports them before the step)")
+    parser.add_argument("--trace-deepspeed", action="store_true",
+                        help="every cell keeps a wall-clock call tree of DeepSpeed's initialize (engine, ZeRO-1/2 "
+                             "optimizer, config, collectives; main thread) and its threads' spans "
+                             "(bench/probes/compare_traces.py compares key on with key off)")
     parser.add_argument("--preimport", nargs="+", default=[], metavar="MODULE",
                         help="cells import these before the timed step (to learn what a first import costs it)")
     parser.add_argument("--out", type=Path, default=None)
@@ -332,7 +378,7 @@ def main(argv=None) -> int:
         args.backends = [*args.backends, AB_BACKEND]
     if args.cell:
         print("RESULT " + json.dumps(run_cell(*args.cell, args.world, args.rank, args.smoke, args.flatten_steps,
-                                                 args.trace, tuple(args.preimport))),
+                                                 args.trace, tuple(args.preimport), args.trace_deepspeed)),
               flush=True)
         return 0
 

@@ -6,7 +6,9 @@
 
 Each module-level function defined in one of ``modules`` is wrapped for the block, and every reference to it
 in those modules' namespaces (``from x import f`` binds another name) points at the wrapper, so the tree sees
-the calls the modules make to each other. A line per call path: inclusive ms, the part spent in no traced
+the calls the modules make to each other; classes' methods and ``__init__`` too. Only the thread that entered
+the block is traced (the calls of other threads, such as a background import, run unwrapped: one stack). A line
+per call path: inclusive ms, the part spent in no traced
 child ("self": C calls, device syncs, untraced Python), and the call count. Host ``perf_counter`` only: the
 device's work shows where a call waits for it. ~1 us of overhead per call. For finding where a fresh process's
 step spends its time, where cProfile's overhead and lost frames (session 11) make its figures unreliable.
@@ -17,6 +19,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import threading
 import time
 from typing import Iterator
 
@@ -28,12 +31,15 @@ class CallTree:
         self.count: dict[tuple[str, ...], int] = {}
         self.first_seen: dict[tuple[str, ...], int] = {}
         self._stack: list[str] = []
+        self._thread = threading.get_ident()  # the one thread whose calls build the tree
 
     def wrap(self, label: str, fn):
         tree = self
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
+            if threading.get_ident() != tree._thread:
+                return fn(*args, **kwargs)
             tree._stack.append(label)
             path = tuple(tree._stack)
             tree.first_seen.setdefault(path, len(tree.first_seen))
@@ -84,7 +90,7 @@ def traced(modules: list[str], extra: tuple[str, ...] = ()) -> Iterator[CallTree
                 originals[id(value)] = (value, tree.wrap(f"{short}.{name}", value))
             elif inspect.isclass(value) and value.__module__ == module.__name__:
                 for attr, method in list(vars(value).items()):
-                    if inspect.isfunction(method) and not attr.startswith("__"):
+                    if inspect.isfunction(method) and (attr == "__init__" or not attr.startswith("__")):
                         setattr(value, attr, tree.wrap(f"{short}.{value.__name__}.{attr}", method))
                         replaced.append((value, attr, method))
     for dotted in extra:

@@ -14,7 +14,8 @@ def tiny_modules(monkeypatch):
     a = types.ModuleType("tiny_a")
     exec("import time\n"
          "def leaf():\n    time.sleep(0.002)\n    return 1\n"
-         "class Box:\n    def method(self):\n        return leaf() + 1\n", a.__dict__)
+         "class Box:\n    def __init__(self):\n        self.n = 1\n"
+         "    def method(self):\n        return leaf() + 1\n", a.__dict__)
     b = types.ModuleType("tiny_b")
     b.leaf = a.leaf
     exec("def top(n):\n    return sum(leaf() for _ in range(n))\n", b.__dict__)
@@ -27,10 +28,16 @@ def test_traced_builds_the_call_tree_and_puts_everything_back(tiny_modules):
     from bench.trace_calls import traced
 
     a, b = tiny_modules
-    originals = (a.leaf, b.leaf, a.Box.method)
+    import threading
+
+    originals = (a.leaf, b.leaf, a.Box.method, a.Box.__init__)
     with traced(["tiny_a", "tiny_b"], extra=("tiny_a.time.sleep",)) as calls:
         assert b.top(3) == 3 and a.Box().method() == 2
+        other = threading.Thread(target=b.top, args=(5,))  # another thread's calls: not in the tree
+        other.start()
+        other.join()
     found = calls.as_dict()
+    assert found["tiny_a.Box.__init__"]["calls"] == 1
     assert found["tiny_b.top"]["calls"] == 1
     assert found["tiny_b.top > tiny_a.leaf"]["calls"] == 3  # b's own name for a's function is traced too
     assert found["tiny_b.top > tiny_a.leaf > tiny_a.time.sleep"]["calls"] == 3
@@ -38,7 +45,7 @@ def test_traced_builds_the_call_tree_and_puts_everything_back(tiny_modules):
     assert found["tiny_b.top"]["ms"] >= found["tiny_b.top > tiny_a.leaf"]["ms"] >= 3 * 2.0
     lines = calls.lines(min_ms=0.0)
     assert lines[0].endswith("tiny_b.top  x1") and "tiny_a.leaf  x3" in lines[1]  # parents first, children indented
-    assert (a.leaf, b.leaf, a.Box.method) == originals
+    assert (a.leaf, b.leaf, a.Box.method, a.Box.__init__) == originals
     import time
     assert a.time.sleep is time.sleep and not hasattr(time.sleep, "__wrapped__")
 

@@ -1,0 +1,66 @@
+"""Where the key's time goes in a fresh process's initialize: ``bench_coldstart.py --trace-deepspeed`` cells, key on
+against key off, call path by call path (paired per round, as ``bench_coldstart``'s ratios), and the background
+threads' spans against the main thread's initialize.
+
+    python bench/probes/compare_traces.py bench/results/coldstart_zero2_trace.json [--step zero2] [--top 25]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def rounds(cells: dict, step: str, backend: str) -> list[dict]:
+    """The warm processes of one cell, in round order (its cold one first)."""
+    found = []
+    for temperature in ("cold", "warm"):
+        cell = cells.get(f"{step}/{backend}/{temperature}", {})
+        found += cell.get("runs", [cell] if cell and "error" not in cell else [])
+    return found
+
+
+def paired(off: list[dict], on: list[dict], read) -> tuple[float, float, float, int]:
+    """Median of key off, of key on, of on minus off per round, and the rounds on was the faster."""
+    pairs = [(read(a), read(b)) for a, b in zip(off, on)]
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(b - a for a, b in pairs), sum(b < a for a, b in pairs))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("result", type=Path)
+    parser.add_argument("--step", default="zero2")
+    parser.add_argument("--on", default="triton", help="the key-on backend (triton@ab: --ab-tree's cells)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    cells = json.loads(args.result.read_text())["figures"]["cells"]
+    off, on = rounds(cells, args.step, "torch"), rounds(cells, args.step, args.on)
+    count = min(len(off), len(on))
+    off, on = off[:count], on[:count]
+    print(f"{count} rounds (the cold one first), key off / key on / paired on - off (ms), rounds on faster:")
+    for field in ("initialize_seconds", "initialize_cpu_seconds", "flatten_seconds"):
+        if all(field in r for r in off + on):
+            a, b, d, faster = paired(off, on, lambda r: r[field] * 1e3)
+            print(f"  {field:28s} {a:9.1f} {b:9.1f} {d:+8.1f}  {faster}/{count}")
+    paths = {p for r in off + on for p in r.get("deepspeed_trace", {})}
+    rows = []
+    for path in paths:
+        a, b, d, faster = paired(off, on, lambda r: r.get("deepspeed_trace", {}).get(path, {}).get("ms", 0.0))
+        rows.append((abs(d), path, a, b, d, faster))
+    print(f"\nthe {args.top} call paths whose paired difference is largest (inclusive ms):")
+    for _, path, a, b, d, faster in sorted(rows, reverse=True)[:args.top]:
+        print(f"  {a:9.2f} {b:9.2f} {d:+8.2f}  {faster:2d}/{count}  {path}")
+    print("\nkey on's threads (seconds from initialize's start: start, end; CPU seconds), per round:")
+    for run in on:
+        origin = run.get("initialize_start", 0.0)
+        spans = ", ".join(f"{t['name']} {t['start'] - origin:+.3f}..{t['end'] - origin:+.3f} cpu {t['cpu_seconds']:.3f}"
+                          for t in run.get("threads", []))
+        print(f"  initialize {run['initialize_seconds']:.3f} s: {spans}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
