@@ -159,8 +159,8 @@ TRACED_DEEPSPEED = ["deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.
 @contextlib.contextmanager
 def _threads_recorded(out: dict, origin: float):
     """Each thread that runs in the block: its name, start and end (seconds from ``origin``, the process's start)
-    and CPU seconds, in ``out["threads"]``: what of the key's background work (the step's import, the rehearsal,
-    the preload) overlaps the main thread's."""
+    and CPU seconds, in ``out["threads"]``: what of the key's background work (the step's import, the preload)
+    overlaps the main thread's."""
     import threading
 
     found = out.setdefault("threads", [])

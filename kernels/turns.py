@@ -43,7 +43,7 @@ from .torch_route import flat_bytes
 from .tuning import KERNELS_ONLY
 from .validation import validate
 
-__all__ = ["lead", "rehearse", "run_fresh", "schedule", "turns", "worth_turns"]
+__all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches) is paid a few times only.
@@ -161,16 +161,6 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
             make_plan(dst, rest.take(indices, distinct=True), zeros_now, KERNELS_ONLY, what=what,
                       run_now=True).launch()
-
-
-def rehearse(dst: torch.Tensor, pieces: PackPieces) -> None:
-    """:func:`run_fresh`'s own host steps on a small job (``warmup.warm_planning``'s): the first turn's pick and
-    check, the rest's sort, and the biggest piece copied as the lead copies (unchecked: the caller's own buffers)."""
-    count = np.maximum(pieces.count, 0)
-    first = _biggest(count, 2)
-    _rest_by_size(count, first)
-    validate(dst, pieces.take(first, distinct=True), ())
-    _copy_lead(dst, pieces, first[:1])
 
 
 def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:

@@ -32,17 +32,14 @@ import time
 
 import torch
 
-from . import compiled, state, turns
+from . import compiled, state
 from .ops import pack_plan
-from .pieces import pack_pieces
 from .state import WARMING
-from .tables import kernel_plan
 from .tuning import KERNELS_ONLY
-from .validation import validate
 from .variants import WORD_COPY, word_meta
 
-__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_planning",
-           "warm_up", "warm_up_in_background"]
+__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_up",
+           "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
@@ -205,26 +202,10 @@ def _fill_pinned_cache(device: torch.device) -> None:
     torch.empty_like(on_device).narrow(0, 0, 32).copy_(on_device.narrow(0, 32, 32))
 
 
-def warm_planning() -> None:
-    """Plan a tiny pack on the CPU, through every step a fresh pack in turns takes before its launches (its pieces,
-    the first turn's pick, validation, both ways of cutting segments into word classes, the lead's byte views),
-    and launch nothing. A process's first plan otherwise pays the first call of each numpy function and torch
-    binding those steps use (about a millisecond on the CPU machine: ``bench/NOTES.md``). Touches no device."""
-    sources = [torch.zeros(n, dtype=torch.bfloat16) for n in (64, 3, 13, 8, 5, 16)]  # odd sizes: tails
-    offsets = [0, 64, 72, 88, 96, 104]
-    buffer = torch.empty(136, dtype=torch.bfloat16)
-    for dst in (buffer[:128], buffer[1:129]):  # at a 16-byte address, and not
-        pieces, gaps = pack_pieces(dst, sources, offsets)
-        turns.rehearse(dst, pieces)
-        # CPU tables, uploaded nowhere, never launched: a turn without zero ranges (at 16-byte addresses: bodies and
-        # tails only) and the last turn with them (the gaps start anywhere: heads too).
-        for zero_ranges in ((), gaps):
-            srcs, zeros = validate(dst, pieces, zero_ranges)
-            kernel_plan(dst, pieces, srcs, zeros, [], KERNELS_ONLY)
-
-
 def _cat_once(device: torch.device) -> None:
-    parts = [torch.zeros(16, dtype=torch.int64, device=device) for _ in range(_CAT_INPUTS)]
+    # The inputs as views of one tensor: one call instead of one per input (each call is Python time the thread
+    # takes from the caller's, and a wait for the GIL).
+    parts = torch.zeros(_CAT_INPUTS, 16, dtype=torch.int64, device=device).unbind(0)
     torch.cat(parts, out=torch.empty(16 * _CAT_INPUTS, dtype=torch.int64, device=device))
 
 

@@ -627,7 +627,7 @@ def test_partition_twice_is_a_clear_error_and_changes_nothing(fake_world):
 
 def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatch):
     """Reading a config with the key starts the import of the step's module at that ZeRO stage (the flatten's at
-    1 and 2, the defragment's at 3) in a thread, then the planning's rehearsal, once per module and process;
+    1 and 2, the defragment's at 3) in a thread, and nothing else, once per module and process;
     nothing for stage 0."""
     import sys
 
@@ -637,12 +637,9 @@ def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatc
     from types import SimpleNamespace
 
     monkeypatch.setattr(config, "_importing", set())
-    imported, rehearsed = [], []
-    warmup = SimpleNamespace(warm_planning=lambda: rehearsed.append(imported[-1]))
+    imported = []
 
     def import_module(name):
-        if name == "ztriton.kernels.warmup":
-            return warmup
         imported.append(name)
 
     monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=import_module))  # config's own name only
@@ -656,8 +653,7 @@ def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatc
         if thread is not None:
             thread.join(5)
             assert not thread.daemon
-    assert imported == ["ztriton.flatten", "ztriton.defragmenting"]
-    assert rehearsed == imported  # the kernels' planning rehearsed after each import
+    assert imported == ["ztriton.flatten", "ztriton.defragmenting"]  # and nothing else (no other Python work)
     assert config.import_step_in_background(2) is None  # once per module and process
 
 

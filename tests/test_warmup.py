@@ -365,33 +365,6 @@ def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):
     gate.set()
 
 
-def test_the_planning_rehearsal_runs_on_the_cpu_alone_and_leaves_the_planning_as_it_was():
-    """warm_planning (the key's background import runs it) plans a tiny pack on the CPU: in a fresh process it
-    imports no triton and starts no CUDA, and a real pack planned after it is bit-identical to torch's."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, torch\n"
-        "from ztriton.kernels import warmup\n"
-        "warmup.warm_planning()\n"
-        "assert 'triton' not in sys.modules, 'triton imported'\n"
-        "assert not torch.cuda.is_initialized(), 'CUDA started'\n"
-        "print('ok')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
-    from ztriton.kernels import bits, pack, torch_pack
-
-    sources = [torch.randn(n) for n in (5, 17, 64)]
-    expected = torch.empty(96)
-    torch_pack(expected, sources, [0, 8, 32])
-    before = [bits(s).clone() for s in sources]
-    warmup.warm_planning()
-    got = torch.full_like(expected, float("nan"))
-    pack(got, sources, [0, 8, 32])  # the kernels under the interpreter on this CPU box, torch's copies elsewhere
-    assert torch.equal(bits(got), bits(expected)) and all(torch.equal(bits(s), b) for s, b in zip(sources, before))
-
-
 @pytest.mark.parametrize("count, local_rank, expected", [(8, "3", [3, 3]), (1, None, [0, 0]), (8, None, [])])
 def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monkeypatch, count, local_rank, expected):
     """Under the key the preload and torch's cat load start from the config's parse (the background import's

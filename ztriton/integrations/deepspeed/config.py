@@ -201,16 +201,17 @@ _importing: set[str] = set()
 
 
 def import_step_in_background(stage: object) -> threading.Thread | None:
-    """Start the preload (:func:`start_preload`), import the module the key's step at ZeRO ``stage`` needs (the
-    flatten's, the defragment's) and rehearse the kernels' planning (``warm_planning``), in a thread from the
-    moment a config with the key is read: DeepSpeed's engine set-up then hides a first import and first calls that
-    the step itself would otherwise pay in a fresh process (a few milliseconds). Once per module and process (a
-    module imported already is still rehearsed for); a failure is logged at debug level (the step then imports it,
-    and raises there if it must). Not a daemon: the interpreter waits for it at exit rather than stop it half way."""
+    """Start the preload (:func:`start_preload`) and import the module the key's step at ZeRO ``stage`` needs (the
+    flatten's, the defragment's), in a thread from the moment a config with the key is read: DeepSpeed's engine
+    set-up then hides a first import that the step itself would otherwise pay in a fresh process (a few
+    milliseconds). Once per module and process; a failure is logged at debug level (the step then imports it, and
+    raises there if it must). Not a daemon: the interpreter waits for it at exit rather than stop it half way.
+    The thread runs nothing else in Python: while DeepSpeed's set-up runs Python on the main thread, a background
+    thread's Python time is taken from it (the GIL)."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
     if name is None or name in _importing:
         return None
-    _importing.add(name)  # once per module and process, imported already or not: the rehearsal still helps
+    _importing.add(name)  # once per module and process
 
     def run() -> None:
         try:
@@ -219,8 +220,6 @@ def import_step_in_background(stage: object) -> threading.Thread | None:
             logging.getLogger("ztriton").debug("ztriton: preload from the config not started (%s)", exc)
         try:
             importlib.import_module(name)
-            # Then the step's planning once on a tiny CPU job: its first calls of numpy and torch, paid here too.
-            importlib.import_module("ztriton.kernels.warmup").warm_planning()
         except Exception as exc:  # noqa: BLE001 -- best effort: the step imports it again and reports there
             logging.getLogger("ztriton").debug("ztriton: background import of %s failed (%s)", name, exc)
 

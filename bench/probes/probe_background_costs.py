@@ -1,0 +1,186 @@
+"""What each piece of the key's background work costs, run in the foreground of a fresh process, one after the
+other, as a ZeRO-2 config parse would start it (the model already on the GPU): the step's import, each compiled
+word copy's load, the pinned blocks, torch's cat kernel. Wall and CPU ms each (CPU time in a thread is what a
+background thread can take from the main thread's Python, through the GIL, where the part is not a C call that
+releases it), median over fresh processes, and the import's slowest modules (``-X importtime``). One GPU.
+
+    python bench/probes/probe_background_costs.py [--processes 5] [--out FILE.json]
+    python bench/probes/probe_background_costs.py --gil [--processes 5]   # what each piece takes from the main thread
+
+``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
+the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
+GIL time the piece held, and the piece's own wall time beside it. ``all``: the threads a ZeRO-2 config with the key
+starts (``config.import_step_in_background(2)``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child() -> dict:
+    import torch
+
+    import deepspeed  # noqa: F401 -- as a user's process has it before the config is read
+    import ztriton  # noqa: F401
+    from ztriton.integrations.deepspeed import optimizers  # noqa: F401 -- the hooks' modules
+
+    model = torch.nn.Linear(64, 64, device="cuda")  # the model on the GPU: the context exists
+    del model
+    torch.cuda.synchronize()
+    out: dict[str, list[float]] = {}
+
+    def timed(name, work):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        work()
+        torch.cuda.synchronize()
+        out[name] = [(time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3]
+
+    from ztriton.integrations.deepspeed.config import rank_device
+
+    timed("rank_device", rank_device)
+    timed("import ztriton.kernels.warmup", lambda: __import__("ztriton.kernels.warmup"))
+    from ztriton.kernels import compiled, warmup
+    from ztriton.kernels.tuning import KERNELS_ONLY
+    from ztriton.kernels.variants import WORD_COPY, word_meta
+
+    device = torch.device("cuda", 0)
+    for unit in warmup._PRELOAD_UNITS:
+        timed(f"load word copy {unit}", lambda: compiled.preload(0, WORD_COPY, word_meta(unit, KERNELS_ONLY)))
+    timed("pinned blocks", lambda: warmup._fill_pinned_cache(device))
+    timed("torch's cat", lambda: warmup._cat_once(device))
+    timed("import ztriton.flatten", lambda: __import__("ztriton.flatten"))
+    return out
+
+
+def _pieces(device):
+    """Each piece of the background work by name, as a callable."""
+    from ztriton.integrations.deepspeed.config import import_step_in_background
+    from ztriton.kernels import compiled, warmup
+    from ztriton.kernels.tuning import KERNELS_ONLY
+    from ztriton.kernels.variants import WORD_COPY, word_meta
+
+    def loads():
+        for unit in warmup._PRELOAD_UNITS:
+            compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
+
+    def all_threads():  # the key's own threads, joined (the import thread starts the preload's)
+        import_step_in_background(2).join()
+        for thread in list(warmup._threads):
+            thread.join()
+
+    return {"import": lambda: __import__("ztriton.flatten"), "loads": loads,
+            "pinned": lambda: warmup._fill_pinned_cache(device), "cat": lambda: warmup._cat_once(device),
+            "all": all_threads}
+
+
+def gil_child(piece: str) -> dict:
+    """The main thread's loss to ``piece`` running in a thread (ms), and the piece's wall ms."""
+    import threading
+
+    import torch
+
+    import deepspeed  # noqa: F401
+    import ztriton  # noqa: F401
+    from ztriton.integrations.deepspeed import optimizers  # noqa: F401
+    from ztriton.kernels import warmup  # noqa: F401 -- imported before: its import is not a piece
+
+    torch.nn.Linear(64, 64, device="cuda")
+    torch.cuda.synchronize()
+    work = _pieces(torch.device("cuda", 0))[piece]
+
+    def spin(until) -> tuple[int, float]:
+        count, start = 0, time.perf_counter()
+        while not until():
+            for _ in range(200):
+                count += 1
+        return count, time.perf_counter() - start
+
+    deadline = time.perf_counter() + 0.2
+    count, spent = spin(lambda: time.perf_counter() > deadline)
+    rate = count / spent  # iterations a second, alone
+    span = {}
+
+    def run():
+        start = time.perf_counter()
+        work()
+        span["wall_ms"] = (time.perf_counter() - start) * 1e3
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    count, spent = spin(lambda: not thread.is_alive())
+    thread.join()
+    return {"loss_ms": (spent - count / rate) * 1e3, "piece_wall_ms": span["wall_ms"], "main_ms": spent * 1e3}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--processes", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gil", action="store_true")
+    parser.add_argument("--gil-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child()), flush=True)
+        return 0
+    if args.gil_child:
+        print("RESULT " + json.dumps(gil_child(args.gil_child)), flush=True)
+        return 0
+    if args.gil:
+        return _gil(args)
+    runs, slowest = [], []
+    for _ in range(args.processes):
+        done = subprocess.run([sys.executable, "-X", "importtime", __file__, "--child"], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT)
+        found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not found:
+            print(done.stdout[-2000:], done.stderr[-3000:])
+            return 1
+        runs.append(json.loads(found[-1][len("RESULT "):]))
+        # the modules the flatten's import executed (self us), from the import-time lines after ztriton.kernels.warmup
+        lines = done.stderr.splitlines()
+        start = max((i for i, ln in enumerate(lines) if ln.rstrip().endswith("ztriton.kernels.warmup")), default=0)
+        mods = [ln.split("|") for ln in lines[start + 1:] if ln.startswith("import time:") and "[us]" not in ln]
+        slowest.append(sorted(((int(m[0].split(":")[1]), m[2].strip()) for m in mods), reverse=True)[:8])
+    figures = {name: {"wall_ms": statistics.median(r[name][0] for r in runs),
+                      "cpu_ms": statistics.median(r[name][1] for r in runs)} for name in runs[0]}
+    for name, f in figures.items():
+        print(f"{name:32s} wall {f['wall_ms']:7.2f} ms  cpu {f['cpu_ms']:7.2f} ms")
+    print("slowest modules after the warm-up's import (self us), first process:", slowest[0])
+    if args.out:
+        args.out.write_text(json.dumps({"figures": figures, "runs": runs, "slowest_modules": slowest}, indent=1))
+    return 0
+
+
+def _gil(args) -> int:
+    """Each piece in its own fresh processes, pieces interleaved."""
+    found: dict[str, list[dict]] = {}
+    for _ in range(args.processes):
+        for piece in ("import", "loads", "pinned", "cat", "all"):
+            done = subprocess.run([sys.executable, __file__, "--gil-child", piece], capture_output=True, text=True,
+                                  timeout=300, cwd=ROOT)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                print(done.stdout[-2000:], done.stderr[-3000:])
+                return 1
+            found.setdefault(piece, []).append(json.loads(lines[-1][len("RESULT "):]))
+    figures = {piece: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for piece, runs in found.items()}
+    for piece, f in figures.items():
+        each = ", ".join(f"{r['loss_ms']:.1f}" for r in found[piece])
+        print(f"{piece:8s} main thread's loss {f['loss_ms']:6.2f} ms (median; each: {each}), "
+              f"the piece's wall {f['piece_wall_ms']:6.2f} ms")
+    if args.out:
+        args.out.write_text(json.dumps({"gil": figures, "runs": found}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
