@@ -625,36 +625,35 @@ def test_partition_twice_is_a_clear_error_and_changes_nothing(fake_world):
         assert [part.name for part in result.partitions] == ["extra.weight", "extra.bias"]
 
 
-def test_a_config_with_the_key_imports_its_stage_s_module_in_a_thread(monkeypatch):
-    """Reading a config with the key starts the import of the step's module at that ZeRO stage (the flatten's at
-    1 and 2, the defragment's at 3) in a thread, and nothing else, once per module and process;
-    nothing for stage 0."""
-    import sys
+def test_a_config_with_the_key_imports_its_stage_s_module_then_starts_the_preload(monkeypatch):
+    """Reading a config with the key imports the step's module at that ZeRO stage (the flatten's at 1 and 2, the
+    defragment's at 3) on the caller's thread, then starts the preload, once per module and process; nothing for
+    stage 0; a failing import or preload is no error there (the step reports it)."""
+    import threading
 
     from ztriton.integrations.deepspeed import config
 
-    import threading
     from types import SimpleNamespace
 
-    monkeypatch.setattr(config, "_importing", set())
-    imported = []
+    monkeypatch.setattr(config, "_prepared", set())
+    done = []
 
     def import_module(name):
-        imported.append(name)
+        assert threading.current_thread() is threading.main_thread()
+        done.append(name)
+        if name == "ztriton.defragmenting":
+            raise ImportError("a broken install")
 
     monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=import_module))  # config's own name only
-    for name in ("ztriton.flatten", "ztriton.defragmenting"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    assert config.import_step_in_background(0) is None and config.import_step_in_background(None) is None
-    threads = [config.import_step_in_background(stage) for stage in (2, 1, 3, 3)]
-    assert isinstance(threads[0], threading.Thread) and isinstance(threads[2], threading.Thread)
-    assert threads[1] is None and threads[3] is None  # the same module again
-    for thread in threads:
-        if thread is not None:
-            thread.join(5)
-            assert not thread.daemon
-    assert imported == ["ztriton.flatten", "ztriton.defragmenting"]  # and nothing else (no other Python work)
-    assert config.import_step_in_background(2) is None  # once per module and process
+    monkeypatch.setattr(config, "start_preload", lambda: done.append("preload"))
+    config.prepare_step(0)
+    config.prepare_step(None)
+    assert done == []
+    for stage in (2, 1, 3, 3):
+        config.prepare_step(stage)
+    assert done == ["ztriton.flatten", "preload", "ztriton.defragmenting", "preload"]  # each module once
+    config.prepare_step(2)
+    assert len(done) == 4
 
 
 def test_deepspeed_reading_a_config_with_the_key_starts_the_import(monkeypatch):
@@ -665,7 +664,7 @@ def test_deepspeed_reading_a_config_with_the_key_starts_the_import(monkeypatch):
     from ztriton.integrations.deepspeed import config
 
     asked = []
-    monkeypatch.setattr(config, "import_step_in_background", asked.append)
+    monkeypatch.setattr(config, "prepare_step", asked.append)
     base = {"train_batch_size": 1, "zero_optimization": {"stage": 2}}
     DeepSpeedConfig(dict(base))
     DeepSpeedConfig({**base, "partition_backend": "triton"})

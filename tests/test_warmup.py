@@ -367,8 +367,8 @@ def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):
 
 @pytest.mark.parametrize("count, local_rank, expected", [(8, "3", [3, 3]), (1, None, [0, 0]), (8, None, [])])
 def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monkeypatch, count, local_rank, expected):
-    """Under the key the preload and torch's cat load start from the config's parse (the background import's
-    thread), on the device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
+    """Under the key the preload and torch's cat load start from the config's parse (``prepare_step``), on the
+    device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
     asked = []
     monkeypatch.setattr(warmup, "preload_in_background", asked.append)
     monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)

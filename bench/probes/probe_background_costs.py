@@ -10,7 +10,7 @@ releases it), median over fresh processes, and the import's slowest modules (``-
 ``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
 the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
 GIL time the piece held, and the piece's own wall time beside it. ``all``: the threads a ZeRO-2 config with the key
-starts (``config.import_step_in_background(2)``).
+starts (``config.start_preload``, after ``prepare_step``'s import on the caller's thread).
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def child() -> dict:
 
 def _pieces(device):
     """Each piece of the background work by name, as a callable."""
-    from ztriton.integrations.deepspeed.config import import_step_in_background
+    from ztriton.integrations.deepspeed.config import start_preload
     from ztriton.kernels import compiled, warmup
     from ztriton.kernels.tuning import KERNELS_ONLY
     from ztriton.kernels.variants import WORD_COPY, word_meta
@@ -71,8 +71,8 @@ def _pieces(device):
         for unit in warmup._PRELOAD_UNITS:
             compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
 
-    def all_threads():  # the key's own threads, joined (the import thread starts the preload's)
-        import_step_in_background(2).join()
+    def all_threads():  # the key's own threads, joined
+        start_preload()
         for thread in list(warmup._threads):
             thread.join()
 

@@ -11,7 +11,6 @@ import difflib
 import importlib
 import logging
 import os
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,41 +194,28 @@ def rank_device() -> int | None:
     return 0 if count == 1 else None
 
 
-# The module the key's step at each ZeRO stage imports on first use, and those imported (or importing) already.
+# The module the key's step at each ZeRO stage imports on first use, and those prepared for already.
 _STEP_MODULES = {1: "ztriton.flatten", 2: "ztriton.flatten", 3: "ztriton.defragmenting"}
-_importing: set[str] = set()
+_prepared: set[str] = set()
 
 
-def import_step_in_background(stage: object) -> threading.Thread | None:
-    """Start the preload (:func:`start_preload`) and import the module the key's step at ZeRO ``stage`` needs (the
-    flatten's, the defragment's), in a thread from the moment a config with the key is read: DeepSpeed's engine
-    set-up then hides a first import that the step itself would otherwise pay in a fresh process (a few
-    milliseconds). Once per module and process; a failure is logged at debug level (the step then imports it, and
-    raises there if it must). Not a daemon: the interpreter waits for it at exit rather than stop it half way.
-    The thread runs nothing else in Python: while DeepSpeed's set-up runs Python on the main thread, a background
-    thread's Python time is taken from it (the GIL)."""
+def prepare_step(stage: object) -> None:
+    """From the moment a config with the key is read: import the module the key's step at ZeRO ``stage`` needs
+    (the flatten's, the defragment's) on the caller's thread, then :func:`start_preload` (its threads), once per
+    module and process. A fresh process's step would otherwise pay both. The import is not a thread's: it is
+    Python throughout, and a thread's Python time is taken from DeepSpeed's set-up on the main thread (the GIL),
+    with waits for it on both sides besides; the preload's threads spend theirs in calls that release it. A
+    failure is logged at debug level (the step imports again and raises there if it must; the engine's hook
+    starts the preload)."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
-    if name is None or name in _importing:
-        return None
-    _importing.add(name)  # once per module and process
-
-    def run() -> None:
+    if name is None or name in _prepared:
+        return
+    _prepared.add(name)
+    for what, work in (("import of " + name, lambda: importlib.import_module(name)), ("preload", start_preload)):
         try:
-            start_preload()  # its own threads: the driver's loads and pinned allocations release the GIL
-        except Exception as exc:  # noqa: BLE001 -- best effort: the engine's hook starts it on its device
-            logging.getLogger("ztriton").debug("ztriton: preload from the config not started (%s)", exc)
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 -- best effort: the step imports it again and reports there
-            logging.getLogger("ztriton").debug("ztriton: background import of %s failed (%s)", name, exc)
-
-    thread = threading.Thread(target=run, name=f"ztriton-import-{name}")
-    try:
-        thread.start()
-    except RuntimeError as exc:  # threading's "can't start new thread"
-        logging.getLogger("ztriton").debug("ztriton: background import not started (%s)", exc)
-        return None
-    return thread
+            work()
+        except Exception as exc:  # noqa: BLE001 -- best effort, as above
+            logging.getLogger("ztriton").debug("ztriton: %s from the config failed (%s)", what, exc)
 
 
 def _dict_of_config_object(config_class: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -257,7 +243,7 @@ def config_init(original, self, *args, **kwargs):
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
     if settings.triton:
-        import_step_in_background(getattr(self, "zero_optimization_stage", 0))
+        prepare_step(getattr(self, "zero_optimization_stage", 0))
     if isinstance(self._param_dict, dict):
         from ztriton.integrations.deepspeed.report import warn_once
 
