@@ -13,7 +13,6 @@ failures, whatever their class, fall through to the next tier on every rank at o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -33,22 +32,24 @@ __all__ = ["Group", "TierInputs", "TIERS"]
 _CHECKSUM_MOD = (1 << 61) - 1
 
 
-@dataclass
 class Group:
     """One group's work, validated before anything moves.
 
     ``params``/``shapes``/``offsets`` are in flat order; shapes are kept apart from the params because
     a tier may point a param's ``.data`` at host memory. ``evicted`` holds the flat positions of
     params whose ``.data`` currently lives in host memory instead of on ``device``.
+
+    A plain class, as :class:`TierInputs`: the key imports this module in a fresh process's config parse, where a
+    dataclass's creation would be a large part of the import (``bench/NOTES.md``).
     """
 
-    index: int
-    params: list[torch.Tensor]
-    shapes: list[torch.Size]
-    layout: FlatGroupLayout
-    dtype: torch.dtype
-    device: torch.device
-    evicted: set[int] = field(default_factory=set)
+    __slots__ = ("index", "params", "shapes", "layout", "dtype", "device", "evicted")
+
+    def __init__(self, index: int, params: list[torch.Tensor], shapes: list[torch.Size], layout: FlatGroupLayout,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.index, self.params, self.shapes, self.layout = index, params, shapes, layout
+        self.dtype, self.device = dtype, device
+        self.evicted: set[int] = set()
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -66,15 +67,14 @@ class Group:
         return self.layout.numels[k]
 
 
-@dataclass(frozen=True)
 class TierInputs:
     """What a tier needs besides the group: the decision, the world, the options and the (rank-agreed)
     free host memory, which the decision does not carry."""
 
-    decision: FlattenDecision
-    world: World
-    options: Options
-    host_bytes: int
+    __slots__ = ("decision", "world", "options", "host_bytes")
+
+    def __init__(self, decision: FlattenDecision, world: World, options: Options, host_bytes: int) -> None:
+        self.decision, self.world, self.options, self.host_bytes = decision, world, options, host_bytes
 
 
 def _device_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
