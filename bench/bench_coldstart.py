@@ -153,13 +153,14 @@ TRACED_TORCH = ("torch._foreach_copy_", "torch._foreach_zero_", "torch.Tensor.co
 # What ``--trace-deepspeed`` follows, key off and on alike: DeepSpeed's initialize down to the ZeRO-1/2 optimizer's
 # methods, the config's parse and the collectives, so that the key's cost outside its own steps shows by phase.
 TRACED_DEEPSPEED = ["deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2",
-                    "deepspeed.runtime.config", "deepspeed.runtime.utils", "deepspeed.comm.comm"]
+                    "deepspeed.runtime.config", "deepspeed.runtime.utils", "deepspeed.comm.comm",
+                    "deepspeed.comm"]  # (the package's own names for comm.comm's functions: what DeepSpeed calls)
 
 
 @contextlib.contextmanager
 def _threads_recorded(out: dict, origin: float):
     """Each thread that runs in the block: its name, start and end (seconds from ``origin``, the process's start)
-    and CPU seconds, in ``out["threads"]``: what of the key's background work (the step's import, the preload)
+    and CPU seconds, in ``out["threads"]``: what of the key's background work (the preload, torch's cat kernel)
     overlaps the main thread's."""
     import threading
 

@@ -38,8 +38,8 @@ from .state import WARMING
 from .tuning import KERNELS_ONLY
 from .variants import WORD_COPY, word_meta
 
-__all__ = ["fill_in_background", "load_torch_cat_in_background", "preload_in_background", "warm_up",
-           "warm_up_in_background"]
+__all__ = ["fill_in_background", "load_torch_cat_in_background", "load_word_copies", "preload_in_background",
+           "warm_up", "warm_up_in_background"]
 
 logger = logging.getLogger("ztriton")
 
@@ -153,8 +153,9 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     per device and process; returns the thread, or None where there is nothing to load (not CUDA).
 
     Torch's route writes a few pieces side by side with one ``torch.cat`` over integer words
-    (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch. Started when a ZeRO optimizer begins building, the thread loads
-    it while DeepSpeed's own set-up runs (the load releases the GIL). A failure is logged at debug level: the first
+    (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch. Started under the key from the
+    config's parse (or when a ZeRO optimizer begins building), the thread loads it while DeepSpeed's own set-up
+    runs (the load releases the GIL). A failure is logged at debug level: the first
     real cat then loads the kernel, as without it."""
     device = _indexed_cuda(device, "load_torch_cat_in_background")
     return None if device is None else _once_per_device(_cat_started, "cat", device, _cat_once)
@@ -167,8 +168,8 @@ def preload_in_background(device: torch.device | int | str) -> threading.Thread 
     nothing to load (not CUDA, the interpreter, ``ZTRITON_COMPILED=0``).
 
     A fresh process's first plans otherwise pay both in the caller's thread (a binary load per variant, a pinned
-    allocation per table size). Started when a ZeRO optimizer begins building, the thread works while DeepSpeed's own
-    set-up runs (the driver's load and torch's allocation release the GIL); a launch that needs a variant the thread
+    allocation per table size). Started under the key from the config's parse (or when a ZeRO optimizer begins
+    building), the thread works while DeepSpeed's own set-up runs (the driver's load and torch's allocation release the GIL); a launch that needs a variant the thread
     is loading waits for that load (``compiled.py``'s lock). A failure is logged at debug level only."""
     device = _indexed_cuda(device, "preload_in_background")
     if device is None or state.interpreter_on() or not compiled.direct_enabled():
@@ -187,16 +188,22 @@ def _once_per_device(started: dict[int, threading.Thread], name: str, device: to
 
 
 def _preload_once(device: torch.device) -> None:
+    load_word_copies(device)
+    _fill_pinned_cache(device)
+
+
+def load_word_copies(device: torch.device) -> None:
+    """The word copy's classes from the compiled cache, in ``_PRELOAD_UNITS``' order (a miss stays a miss)."""
     for unit in _PRELOAD_UNITS:
         compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
-    _fill_pinned_cache(device)
 
 
 def _fill_pinned_cache(device: torch.device) -> None:
     """``_PINNED_EACH`` pinned blocks of each of ``_PINNED_SIZES`` (all held at once: distinct blocks), freed into
     torch's cache, the process's first host-to-device copy from one of them, and its first device-to-device copy
-    (the lead's ``copy_`` of bytes)."""
-    blocks = [torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    (the lead's ``copy_`` of bytes). The blocks name their device: under an entered ``zero.Init`` DeepSpeed's
+    ``torch.empty`` puts a tensor without one on the accelerator, where nothing can be pinned."""
+    blocks = [torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
               for size in _PINNED_SIZES for _ in range(_PINNED_EACH)]
     on_device = blocks[0][:64].to(device, non_blocking=True)
     torch.empty_like(on_device).narrow(0, 0, 32).copy_(on_device.narrow(0, 32, 32))

@@ -78,3 +78,25 @@ def test_coldstart_ab_cells_run_the_other_tree_or_say_what_shadows_it(tmp_path):
         assert "shadows it" in other["error"] and str(root) in other["error"], other["error"]
     else:
         assert set(other["ztriton_from"]) == {str(tree.resolve())}
+
+
+def test_compare_traces_reads_initialize_without_the_spread_phase_and_pairs_warm_rounds():
+    """``probes/compare_traces.py``: initialize less the outermost calls of the named phase (once, not again for a
+    nested call of the same name), and a cell's processes (its runs, or the cell itself where it ran once)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "probes" / "compare_traces.py"
+    spec = importlib.util.spec_from_file_location("compare_traces", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    phase = tool.SPREAD_PHASE
+    trace = {"deepspeed.initialize": {"ms": 100.0}, f"deepspeed.initialize > a > {phase}": {"ms": 60.0},
+             f"deepspeed.initialize > a > {phase} > b > {phase}": {"ms": 20.0}, "deepspeed.initialize > a": {"ms": 70.0}}
+    assert tool.without(trace, phase) == 40.0
+    one, two = {"initialize_seconds": 1.0}, {"initialize_seconds": 2.0}
+    cells = {"zero2/torch/warm": {"runs": [one, two]}, "zero2/torch/cold": one, "zero2/triton/warm": {"error": "x"}}
+    assert tool.runs(cells, "zero2", "torch", "warm") == [one, two]
+    assert tool.runs(cells, "zero2", "torch", "cold") == [one]
+    assert tool.runs(cells, "zero2", "triton", "warm") == [] and tool.runs(cells, "zero2", "triton", "cold") == []
+    assert tool.paired([one, two], [two, one], lambda r: r["initialize_seconds"]) == (1.5, 1.5, 0.0, 1)

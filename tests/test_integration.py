@@ -636,22 +636,28 @@ def test_a_config_with_the_key_imports_its_stage_s_module_then_starts_the_preloa
     from types import SimpleNamespace
 
     monkeypatch.setattr(config, "_prepared", set())
-    done = []
+    done, threads = [], []
 
     def import_module(name):
-        assert threading.current_thread() is threading.main_thread()
+        threads.append(threading.current_thread())
         done.append(name)
         if name == "ztriton.defragmenting":
             raise ImportError("a broken install")
 
+    def start_preload():
+        done.append("preload")
+        if len(done) > 2:
+            raise RuntimeError("no CUDA context")
+
     monkeypatch.setattr(config, "importlib", SimpleNamespace(import_module=import_module))  # config's own name only
-    monkeypatch.setattr(config, "start_preload", lambda: done.append("preload"))
+    monkeypatch.setattr(config, "start_preload", start_preload)
     config.prepare_step(0)
     config.prepare_step(None)
     assert done == []
     for stage in (2, 1, 3, 3):
         config.prepare_step(stage)
     assert done == ["ztriton.flatten", "preload", "ztriton.defragmenting", "preload"]  # each module once
+    assert threads == [threading.current_thread()] * 2  # the caller's thread, no other
     config.prepare_step(2)
     assert len(done) == 4
 

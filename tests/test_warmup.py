@@ -365,10 +365,23 @@ def test_exit_waits_for_a_warm_up_still_loading(monkeypatch, fresh_warm_ups):
     gate.set()
 
 
+def test_torch_s_cat_is_loaded_with_the_inputs_a_flatten_s_cat_has(monkeypatch):
+    """The cat that loads torch's kernel has ``_CAT_INPUTS`` inputs of 16 int64 words, each contiguous at a 16-byte
+    (here 128-byte) address: torch picks its cat kernel by the inputs' count, alignment and contiguity."""
+    seen = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda parts, out: seen.append((list(parts), out)) or real_cat(parts, out=out))
+    warmup._cat_once(torch.device("cpu"))
+    (parts, out), = seen
+    assert len(parts) == warmup._CAT_INPUTS and out.numel() == 16 * warmup._CAT_INPUTS
+    assert all(p.dtype == torch.int64 and p.shape == (16,) and p.is_contiguous() for p in parts)
+    assert all(p.data_ptr() % 16 == 0 for p in parts) and len({p.data_ptr() for p in parts}) == len(parts)
+
+
 @pytest.mark.parametrize("count, local_rank, expected", [(8, "3", [3, 3]), (1, None, [0, 0]), (8, None, [])])
 def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monkeypatch, count, local_rank, expected):
-    """Under the key the preload and torch's cat load start from the config's parse (``prepare_step``), on the
-    device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
+    """Under the key the preload and torch's cat load start from the config's parse (``prepare_step`` calls
+    ``start_preload``), on the device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
     asked = []
     monkeypatch.setattr(warmup, "preload_in_background", asked.append)
     monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)

@@ -1,6 +1,6 @@
-"""What each piece of the key's background work costs, run in the foreground of a fresh process, one after the
-other, as a ZeRO-2 config parse would start it (the model already on the GPU): the step's import, each compiled
-word copy's load, the pinned blocks, torch's cat kernel. Wall and CPU ms each (CPU time in a thread is what a
+"""What each piece of the key's work from a config's parse costs, run in the foreground of a fresh process, one
+after the other (the model already on the GPU): each compiled word copy's load, the pinned blocks, torch's cat
+kernel (the preload's threads run these) and the step's import (on the caller's thread). Wall and CPU ms each (CPU time in a thread is what a
 background thread can take from the main thread's Python, through the GIL, where the part is not a C call that
 releases it), median over fresh processes, and the import's slowest modules (``-X importtime``). One GPU.
 
@@ -10,7 +10,8 @@ releases it), median over fresh processes, and the import's slowest modules (``-
 ``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
 the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
 GIL time the piece held, and the piece's own wall time beside it. ``all``: the threads a ZeRO-2 config with the key
-starts (``config.start_preload``, after ``prepare_step``'s import on the caller's thread).
+starts (``config.start_preload``, after ``prepare_step``'s import on the caller's thread). ``import`` in a thread
+is a comparison: the key imports on the caller's thread.
 """
 from __future__ import annotations
 
@@ -63,20 +64,14 @@ def child() -> dict:
 def _pieces(device):
     """Each piece of the background work by name, as a callable."""
     from ztriton.integrations.deepspeed.config import start_preload
-    from ztriton.kernels import compiled, warmup
-    from ztriton.kernels.tuning import KERNELS_ONLY
-    from ztriton.kernels.variants import WORD_COPY, word_meta
-
-    def loads():
-        for unit in warmup._PRELOAD_UNITS:
-            compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
+    from ztriton.kernels import warmup
 
     def all_threads():  # the key's own threads, joined
         start_preload()
         for thread in list(warmup._threads):
             thread.join()
 
-    return {"import": lambda: __import__("ztriton.flatten"), "loads": loads,
+    return {"import": lambda: __import__("ztriton.flatten"), "loads": lambda: warmup.load_word_copies(device),
             "pinned": lambda: warmup._fill_pinned_cache(device), "cat": lambda: warmup._cat_once(device),
             "all": all_threads}
 
@@ -138,13 +133,10 @@ def main() -> int:
         return _gil(args)
     runs, slowest = [], []
     for _ in range(args.processes):
-        done = subprocess.run([sys.executable, "-X", "importtime", __file__, "--child"], capture_output=True,
-                              text=True, timeout=300, cwd=ROOT)
-        found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if not found:
-            print(done.stdout[-2000:], done.stderr[-3000:])
+        result, done = _child_result([sys.executable, "-X", "importtime", __file__, "--child"])
+        if result is None:
             return 1
-        runs.append(json.loads(found[-1][len("RESULT "):]))
+        runs.append(result)
         # the modules the flatten's import executed (self us), from the import-time lines after ztriton.kernels.warmup
         lines = done.stderr.splitlines()
         start = max((i for i, ln in enumerate(lines) if ln.rstrip().endswith("ztriton.kernels.warmup")), default=0)
@@ -160,18 +152,26 @@ def main() -> int:
     return 0
 
 
+def _child_result(command: list[str]):
+    """Run one fresh process; its RESULT line's dict (None, with its output printed, if it printed none) and the
+    finished process."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    found = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not found:
+        print(done.stdout[-2000:], done.stderr[-3000:])
+        return None, done
+    return json.loads(found[-1][len("RESULT "):]), done
+
+
 def _gil(args) -> int:
     """Each piece in its own fresh processes, pieces interleaved."""
     found: dict[str, list[dict]] = {}
     for _ in range(args.processes):
         for piece in ("import", "loads", "pinned", "cat", "all"):
-            done = subprocess.run([sys.executable, __file__, "--gil-child", piece], capture_output=True, text=True,
-                                  timeout=300, cwd=ROOT)
-            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not lines:
-                print(done.stdout[-2000:], done.stderr[-3000:])
+            result, _ = _child_result([sys.executable, __file__, "--gil-child", piece])
+            if result is None:
                 return 1
-            found.setdefault(piece, []).append(json.loads(lines[-1][len("RESULT "):]))
+            found.setdefault(piece, []).append(result)
     figures = {piece: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for piece, runs in found.items()}
     for piece, f in figures.items():
         each = ", ".join(f"{r['loss_ms']:.1f}" for r in found[piece])

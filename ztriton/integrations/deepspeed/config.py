@@ -240,10 +240,10 @@ def config_init(original, self, *args, **kwargs):
         from ztriton.integrations.standaside import announce
 
         announce()  # where ztriton stood aside from another library (transformers), the one line saying so
+    if settings.triton:  # the import first, before any of ztriton's threads starts (prepare_step says why)
+        prepare_step(getattr(self, "zero_optimization_stage", 0))
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
-    if settings.triton:
-        prepare_step(getattr(self, "zero_optimization_stage", 0))
     if isinstance(self._param_dict, dict):
         from ztriton.integrations.deepspeed.report import warn_once
 
