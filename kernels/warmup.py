@@ -155,8 +155,8 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     Torch's route writes a few pieces side by side with one ``torch.cat`` over integer words
     (``Tuning.cat_items``), and torch loads that CUDA kernel on its first launch. Started under the key from the
     config's parse (or when a ZeRO optimizer begins building), the thread loads it while DeepSpeed's own set-up
-    runs (the load releases the GIL). A failure is logged at debug level: the first
-    real cat then loads the kernel, as without it."""
+    runs (the load releases the GIL). A failure is logged at debug level: the first real cat then loads the
+    kernel, as without it."""
     device = _indexed_cuda(device, "load_torch_cat_in_background")
     return None if device is None else _once_per_device(_cat_started, "cat", device, _cat_once)
 
@@ -169,8 +169,9 @@ def preload_in_background(device: torch.device | int | str) -> threading.Thread 
 
     A fresh process's first plans otherwise pay both in the caller's thread (a binary load per variant, a pinned
     allocation per table size). Started under the key from the config's parse (or when a ZeRO optimizer begins
-    building), the thread works while DeepSpeed's own set-up runs (the driver's load and torch's allocation release the GIL); a launch that needs a variant the thread
-    is loading waits for that load (``compiled.py``'s lock). A failure is logged at debug level only."""
+    building), the thread works while DeepSpeed's own set-up runs (the driver's load and torch's allocation
+    release the GIL); a launch that needs a variant the thread is loading waits for that load (``compiled.py``'s
+    lock). A failure is logged at debug level only."""
     device = _indexed_cuda(device, "preload_in_background")
     if device is None or state.interpreter_on() or not compiled.direct_enabled():
         return None

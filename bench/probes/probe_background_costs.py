@@ -1,11 +1,12 @@
 """What each piece of the key's work from a config's parse costs, run in the foreground of a fresh process, one
 after the other (the model already on the GPU): each compiled word copy's load, the pinned blocks, torch's cat
-kernel (the preload's threads run these) and the step's import (on the caller's thread). Wall and CPU ms each (CPU time in a thread is what a
-background thread can take from the main thread's Python, through the GIL, where the part is not a C call that
-releases it), median over fresh processes, and the import's slowest modules (``-X importtime``). One GPU.
+kernel (the preload's threads run these) and the step's import (on the caller's thread). Wall and CPU ms each
+(CPU time in a thread is what a background thread can take from the main thread's Python, through the GIL, where
+the part is not a C call that releases it), median over fresh processes, and the import's slowest modules
+(``-X importtime``). One GPU.
 
     python bench/probes/probe_background_costs.py [--processes 5] [--out FILE.json]
-    python bench/probes/probe_background_costs.py --gil [--processes 5]   # what each piece takes from the main thread
+    python bench/probes/probe_background_costs.py --gil [--processes 5]   # what each takes from the main thread
 
 ``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
 the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
