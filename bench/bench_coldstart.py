@@ -189,6 +189,7 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
     import torch
 
     from bench.harness import cpu_fallback
+    from bench.trace_calls import traced  # (bench's own: imports nothing of ztriton or DeepSpeed)
 
     cpu_fallback()
     import ztriton  # noqa: F401
@@ -238,12 +239,8 @@ def run_cell(step: str, backend: str, world: int, rank: int, smoke: bool, flatte
         if spent is not None:
             stack.enter_context(_flatten_steps(spent, timeline))
         if trace and key_on:
-            from bench.trace_calls import traced
-
             calls = stack.enter_context(traced(TRACED_MODULES, TRACED_TORCH))
         if trace_deepspeed:
-            from bench.trace_calls import traced
-
             deepspeed_calls = stack.enter_context(traced(TRACED_DEEPSPEED))
             stack.enter_context(_threads_recorded(out, STARTED))
         if step == "zero2":

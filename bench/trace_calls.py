@@ -7,11 +7,11 @@
 Each module-level function defined in one of ``modules`` is wrapped for the block, and every reference to it
 in those modules' namespaces (``from x import f`` binds another name) points at the wrapper, so the tree sees
 the calls the modules make to each other; classes' methods and ``__init__`` too. Only the thread that entered
-the block is traced (the calls of other threads, such as a preload's, run unwrapped: one stack). A line
-per call path: inclusive ms, the part spent in no traced
-child ("self": C calls, device syncs, untraced Python), and the call count. Host ``perf_counter`` only: the
-device's work shows where a call waits for it. ~1 us of overhead per call. For finding where a fresh process's
-step spends its time, where cProfile's overhead and lost frames (session 11) make its figures unreliable.
+the block is traced (the calls of other threads, such as a preload's, run unwrapped: one stack). A line per
+call path: inclusive ms, the part spent in no traced child ("self": C calls, device syncs, untraced Python), and
+the call count. Host ``perf_counter`` only: the device's work shows where a call waits for it. ~1 us of overhead
+per call. For finding where a fresh process's step spends its time, where cProfile's overhead and lost frames
+(session 11) make its figures unreliable.
 """
 from __future__ import annotations
 

@@ -38,8 +38,6 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
 def _preload(device) -> None:
     """:func:`~ztriton.integrations.deepspeed.config.preload_on` the engine's device while DeepSpeed builds the
     optimizer, where it is an indexed CUDA device (the config's parse started it already where it knew the GPU)."""
-    import torch
-
     if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
         preload_on(device)
 
