@@ -10,6 +10,7 @@ rank's window there (every rank in turn) and on the whole buffer under gloo.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from unittest import mock
@@ -353,6 +354,24 @@ def test_params_alias_the_buffer_both_ways():
     assert all(p.requires_grad and isinstance(p, torch.nn.Parameter) for p in params)
     (params[0].sum() * 2).backward()
     assert torch.equal(params[0].grad, torch.full((2, 3), 2.0)) and fg.flat.grad is None
+
+
+def test_flat_group_is_read_only_and_says_what_it_holds():
+    """A FlatGroup's fields cannot be set or deleted (as a frozen dataclass's), it compares by identity, and its
+    repr names every field."""
+    params = [torch.nn.Parameter(torch.arange(6, dtype=torch.float32))]
+    (fg,) = ztriton.flatten_groups([{"params": params}])
+    for name in ("flat", "params", "layout", "tier", "rank", "decision"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(fg, name, None)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(fg, name)
+        assert f"{name}=" in repr(fg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fg.other = 1
+    assert fg.params == (params[0],) and fg.rank == 0 and fg.tier is Tier.DEVICE and fg.decision is not None
+    (again,) = ztriton.flatten_groups([{"params": [torch.nn.Parameter(torch.arange(6, dtype=torch.float32))]}])
+    assert fg == fg and fg != again
 
 
 def test_every_kind_of_param_is_repointed_into_the_buffer():

@@ -7,10 +7,13 @@ the part is not a C call that releases it), median over fresh processes, and the
 
     python bench/probes/probe_background_costs.py [--processes 5] [--out FILE.json]
     python bench/probes/probe_background_costs.py --gil [--processes 5]   # what each takes from the main thread
+    python bench/probes/probe_background_costs.py --gil --main cuda         # ... from one launching small kernels
 
 ``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
 the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
-GIL time the piece held, and the piece's own wall time beside it. ``all``: the threads a ZeRO-2 config with the key
+GIL time the piece held, and the piece's own wall time beside it. ``--main cuda``: the main thread's loop launches
+a tiny kernel per turn instead (as DeepSpeed's set-up of a model on the GPU does between its Python), so that its
+loss also counts waits on the CUDA driver's locks that the piece's loads and pinned allocations hold. ``all``: the threads a ZeRO-2 config with the key
 starts (``config.start_preload``, after ``prepare_step``'s import on the caller's thread). ``import`` in a thread
 is a comparison: the key imports on the caller's thread.
 """
@@ -77,8 +80,9 @@ def _pieces(device):
             "all": all_threads}
 
 
-def gil_child(piece: str) -> dict:
-    """The main thread's loss to ``piece`` running in a thread (ms), and the piece's wall ms."""
+def gil_child(piece: str, main: str = "python") -> dict:
+    """The main thread's loss to ``piece`` running in a thread (ms), and the piece's wall ms; the main thread runs
+    pure Python (``main="python"``) or launches a tiny kernel per turn of its loop (``"cuda"``)."""
     import threading
 
     import torch
@@ -89,13 +93,18 @@ def gil_child(piece: str) -> dict:
     from ztriton.kernels import warmup  # noqa: F401 -- imported before: its import is not a piece
 
     torch.nn.Linear(64, 64, device="cuda")
+    small = torch.zeros(16, device="cuda")
+    small.add_(1)  # its kernel loaded before the rate is measured
     torch.cuda.synchronize()
     work = _pieces(torch.device("cuda", 0))[piece]
+    inner = 200 if main == "python" else 1
 
     def spin(until) -> tuple[int, float]:
         count, start = 0, time.perf_counter()
         while not until():
-            for _ in range(200):
+            if main == "cuda":
+                small.add_(1)
+            for _ in range(inner):
                 count += 1
         return count, time.perf_counter() - start
 
@@ -122,13 +131,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gil", action="store_true")
+    parser.add_argument("--main", choices=("python", "cuda"), default="python",
+                        help="with --gil: what the main thread runs meanwhile")
     parser.add_argument("--gil-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child()), flush=True)
         return 0
     if args.gil_child:
-        print("RESULT " + json.dumps(gil_child(args.gil_child)), flush=True)
+        print("RESULT " + json.dumps(gil_child(args.gil_child, args.main)), flush=True)
         return 0
     if args.gil:
         return _gil(args)
@@ -169,7 +180,7 @@ def _gil(args) -> int:
     found: dict[str, list[dict]] = {}
     for _ in range(args.processes):
         for piece in ("import", "loads", "pinned", "cat", "all"):
-            result, _ = _child_result([sys.executable, __file__, "--gil-child", piece])
+            result, _ = _child_result([sys.executable, __file__, "--gil-child", piece, "--main", args.main])
             if result is None:
                 return 1
             found.setdefault(piece, []).append(result)
@@ -179,7 +190,7 @@ def _gil(args) -> int:
         print(f"{piece:8s} main thread's loss {f['loss_ms']:6.2f} ms (median; each: {each}), "
               f"the piece's wall {f['piece_wall_ms']:6.2f} ms")
     if args.out:
-        args.out.write_text(json.dumps({"gil": figures, "runs": found}, indent=1))
+        args.out.write_text(json.dumps({"gil": figures, "main": args.main, "runs": found}, indent=1))
     return 0
 
 

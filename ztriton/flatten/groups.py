@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from operator import attrgetter
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -47,23 +47,36 @@ logger = logging.getLogger("ztriton")
 _REQUIRES_GRAD = attrgetter("requires_grad")
 
 
-@dataclass(frozen=True, eq=False)
 class FlatGroup:
     """One optimizer group after :func:`flatten_groups`.
 
     ``flat`` is the detached 1-D flat buffer (DeepSpeed's ``bit16_groups_flat[i]``); ``params`` are
     the group's participating params (trainable, non-empty) in flat order, each now a view of
-    ``flat`` (unless :func:`flatten_groups` was told ``repoint=False`` and the device tier built it); ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
+    ``flat`` (unless :func:`flatten_groups` was told ``repoint=False`` and the device tier built it);
+    ``layout.order[k]`` is the index, in the group as handed in, of ``params[k]``. ``tier``
     is the tier that built the buffer (``None`` for a group with nothing to flatten, whose ``flat``
     is empty) and ``decision`` the policy's choice with the figures it was made from.
+
+    Read-only (setting a field raises ``dataclasses.FrozenInstanceError``), compared by identity. A plain class,
+    not a dataclass: the key imports this module in a fresh process's config parse, on the caller's thread.
     """
 
-    flat: torch.Tensor
-    params: tuple[torch.Tensor, ...]
-    layout: FlatGroupLayout
-    tier: Tier | None
-    rank: int
-    decision: FlattenDecision | None = None
+    __slots__ = ("flat", "params", "layout", "tier", "rank", "decision")
+
+    def __init__(self, flat: torch.Tensor, params: tuple[torch.Tensor, ...], layout: FlatGroupLayout,
+                 tier: Tier | None, rank: int, decision: FlattenDecision | None = None) -> None:
+        for name, value in zip(self.__slots__, (flat, params, layout, tier, rank, decision)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({fields})"
 
     @property
     def order(self) -> tuple[int, ...]:
