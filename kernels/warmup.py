@@ -39,7 +39,7 @@ from .tuning import KERNELS_ONLY
 from .variants import WORD_COPY, word_meta
 
 __all__ = ["fill_in_background", "load_torch_cat_in_background", "load_word_copies", "preload_in_background",
-           "warm_up", "warm_up_in_background"]
+           "warm_up", "warm_up_in_background", "word_units"]
 
 logger = logging.getLogger("ztriton")
 
@@ -161,11 +161,14 @@ def load_torch_cat_in_background(device: torch.device | int | str) -> threading.
     return None if device is None else _once_per_device(_cat_started, "cat", device, _cat_once)
 
 
-def preload_in_background(device: torch.device | int | str) -> threading.Thread | None:
+def preload_in_background(device: torch.device | int | str, element_size: int | None = None
+                          ) -> threading.Thread | None:
     """Load the word copy's variants from the compiled cache (never through Triton's JIT: a miss stays a miss) and
     fill torch's pinned-memory cache with the blocks a plan's tables are uploaded from, on ``device`` (an indexed
     CUDA device), in a daemon thread, once per device and process; returns the thread, or None where there is
-    nothing to load (not CUDA, the interpreter, ``ZTRITON_COMPILED=0``).
+    nothing to load (not CUDA, the interpreter, ``ZTRITON_COMPILED=0``). ``element_size``: the bytes of the elements
+    the coming copies move, where the caller knows them: only the word classes such copies can use are loaded
+    (:func:`word_units`); None loads every class.
 
     A fresh process's first plans otherwise pay both in the caller's thread (a binary load per variant, a pinned
     allocation per table size). Started under the key from the config's parse (or when a ZeRO optimizer begins
@@ -175,7 +178,8 @@ def preload_in_background(device: torch.device | int | str) -> threading.Thread 
     device = _indexed_cuda(device, "preload_in_background")
     if device is None or state.interpreter_on() or not compiled.direct_enabled():
         return None
-    return _once_per_device(_preloaded, "preload", device, _preload_once)
+    units = word_units(element_size)
+    return _once_per_device(_preloaded, "preload", device, lambda device: _preload_once(device, units))
 
 
 def _once_per_device(started: dict[int, threading.Thread], name: str, device: torch.device, work
@@ -188,14 +192,25 @@ def _once_per_device(started: dict[int, threading.Thread], name: str, device: to
         return started[device.index]
 
 
-def _preload_once(device: torch.device) -> None:
-    load_word_copies(device)
+def _preload_once(device: torch.device, units: tuple[int, ...]) -> None:
+    load_word_copies(device, units)
     _fill_pinned_cache(device)
 
 
-def load_word_copies(device: torch.device) -> None:
-    """The word copy's classes from the compiled cache, in ``_PRELOAD_UNITS``' order (a miss stays a miss)."""
-    for unit in _PRELOAD_UNITS:
+def word_units(element_size: int | None = None) -> tuple[int, ...]:
+    """The word classes (bytes a word) a copy of whole elements of ``element_size`` bytes can use, in
+    ``_PRELOAD_UNITS``' order: its pieces start, end and pad at multiples of the element size, so no head or tail is
+    ever cut into narrower words (bf16 params never need the 1-byte class). None, or a size that is not a power of
+    two: every class."""
+    if element_size is None or element_size <= 0 or element_size & (element_size - 1):
+        return _PRELOAD_UNITS
+    return tuple(unit for unit in _PRELOAD_UNITS if unit >= min(element_size, 16))
+
+
+def load_word_copies(device: torch.device, units: tuple[int, ...] = _PRELOAD_UNITS) -> None:
+    """These word classes of the word copy from the compiled cache, in order (a miss stays a miss). Each load holds
+    the driver's lock, which every CUDA call of the process's other threads waits for: none is loaded for nothing."""
+    for unit in units:
         compiled.preload(device.index, WORD_COPY, word_meta(unit, KERNELS_ONLY))
 
 

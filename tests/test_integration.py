@@ -644,8 +644,8 @@ def test_a_config_with_the_key_imports_its_stage_s_module_then_starts_the_preloa
         if name == "ztriton.defragmenting":
             raise ImportError("a broken install")
 
-    def start_preload():
-        done.append("preload")
+    def start_preload(element_size):
+        done.append(("preload", element_size))
         if len(done) > 2:
             raise RuntimeError("no CUDA context")
 
@@ -654,9 +654,9 @@ def test_a_config_with_the_key_imports_its_stage_s_module_then_starts_the_preloa
     config.prepare_step(0)
     config.prepare_step(None)
     assert done == []
-    for stage in (2, 1, 3, 3):
-        config.prepare_step(stage)
-    assert done == ["ztriton.flatten", "preload", "ztriton.defragmenting", "preload"]  # each module once
+    for stage, element_size in ((2, 2), (1, 2), (3, None), (3, 2)):
+        config.prepare_step(stage, element_size)
+    assert done == ["ztriton.flatten", ("preload", 2), "ztriton.defragmenting", ("preload", None)]  # each module once
     assert threads == [threading.current_thread()] * 2  # the caller's thread, no other
     config.prepare_step(2)
     assert len(done) == 4
@@ -670,9 +670,11 @@ def test_deepspeed_reading_a_config_with_the_key_starts_the_import(monkeypatch):
     from ztriton.integrations.deepspeed import config
 
     asked = []
-    monkeypatch.setattr(config, "prepare_step", asked.append)
+    monkeypatch.setattr(config, "prepare_step", lambda stage, element_size: asked.append((stage, element_size)))
     base = {"train_batch_size": 1, "zero_optimization": {"stage": 2}}
     DeepSpeedConfig(dict(base))
     DeepSpeedConfig({**base, "partition_backend": "triton"})
-    DeepSpeedConfig({**base, "zero_optimization": {"stage": 3}, "partition_backend": "triton"})
-    assert asked == [2, 3]
+    DeepSpeedConfig({**base, "zero_optimization": {"stage": 3}, "partition_backend": "triton", "bf16": {"enabled": True}})
+    DeepSpeedConfig({**base, "partition_backend": "triton", "fp16": {"enabled": True}})
+    # the params' bytes each where the config says (the engine casts the model under bf16 or fp16), else unknown
+    assert asked == [(2, None), (3, 2), (2, 2)]

@@ -11,6 +11,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ztriton.integrations.deepspeed import config as ds_config
 from ztriton.kernels import warmup
@@ -206,17 +208,21 @@ def test_the_key_preloads_on_the_engines_device_only(monkeypatch):
 
     cats, preloads = [], []
     monkeypatch.setattr(warmup, "load_torch_cat_in_background", cats.append)
-    monkeypatch.setattr(warmup, "preload_in_background", preloads.append)
+    monkeypatch.setattr(warmup, "preload_in_background", lambda device, element_size: preloads.append(device))
     for device in (torch.device("cpu"), torch.device("cuda"), "cuda:0", torch.device("cuda", 1)):
         optimizers._preload(device)
     assert cats == preloads == [torch.device("cuda", 1)]
+    sizes = []
+    monkeypatch.setattr(warmup, "preload_in_background", lambda device, element_size: sizes.append(element_size))
+    optimizers._preload(torch.device("cuda", 1), 2)
+    assert sizes == [2]  # the params' bytes each, where the engine's config says
 
-    def no_threads(device):
+    def no_threads(device, element_size):
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(warmup, "preload_in_background", no_threads)
     optimizers._preload(torch.device("cuda", 1))  # logged at debug level, not raised; the cat load still starts
-    assert cats == [torch.device("cuda", 1)] * 2
+    assert cats == [torch.device("cuda", 1)] * 3
 
 
 def test_preload_loads_each_word_class_from_the_cache_only_once_per_device(monkeypatch, fresh_warm_ups):
@@ -240,6 +246,43 @@ def test_preload_loads_each_word_class_from_the_cache_only_once_per_device(monke
     assert warmup.preload_in_background("cpu") is None
     monkeypatch.setenv("ZTRITON_COMPILED", "0")
     assert warmup.preload_in_background(4) is None
+    monkeypatch.delenv("ZTRITON_COMPILED")
+    asked.clear()
+    monkeypatch.setattr(warmup, "_preloaded", {})
+    warmup.preload_in_background(5, element_size=2).join(5)  # bf16 params: every class but the 1-byte one
+    assert [meta for _, _, meta in asked] == [word_meta(unit, KERNELS_ONLY) for unit in (16, 2, 4, 8)]
+
+
+@pytest.mark.parametrize("element_size, units", [(None, (16, 2, 4, 8, 1)), (1, (16, 2, 4, 8, 1)), (2, (16, 2, 4, 8)),
+                                                 (4, (16, 4, 8)), (8, (16, 8)), (16, (16,)), (32, (16,)),
+                                                 (3, (16, 2, 4, 8, 1)), (0, (16, 2, 4, 8, 1))])
+def test_word_units_are_the_classes_whole_elements_can_use(element_size, units):
+    assert warmup.word_units(element_size) == units
+
+
+@settings(max_examples=60, deadline=None)
+@given(log_size=st.integers(0, 3), starts=st.lists(st.integers(0, 64), min_size=1, max_size=6),
+       lengths=st.lists(st.integers(1, 64), min_size=1, max_size=6))
+def test_word_units_cover_every_class_a_plan_of_whole_elements_cuts(log_size, starts, lengths):
+    """The classes a plan cuts pieces of whole elements into (each piece at element-aligned source and destination
+    byte offsets) are among ``word_units`` of that element size: the preload leaves out none that is used."""
+    from ztriton.kernels import pack_plan
+    from ztriton.kernels.tuning import KERNELS_ONLY
+    from ztriton.kernels.variants import WORD_COPY, word_meta
+
+    dtype = {0: torch.uint8, 1: torch.bfloat16, 2: torch.float32, 3: torch.float64}[log_size]
+    pieces = list(zip(starts, lengths))
+    base = torch.arange(200, dtype=torch.float64).to(dtype)
+    sources = [base[s:s + n] for s, n in pieces]
+    offsets, at = [], 3
+    for n in lengths[:len(sources)]:
+        offsets.append(at)
+        at += n + 5
+    dst = torch.zeros(at, dtype=dtype)
+    plan = pack_plan(dst, sources, offsets, tuning=KERNELS_ONLY)
+    preloaded = [word_meta(unit, KERNELS_ONLY) for unit in warmup.word_units(dtype.itemsize)]
+    used = [meta for kernel, _, _, meta in plan.launches if kernel == WORD_COPY]
+    assert used and all(meta in preloaded for meta in used), (used, preloaded)
 
 
 @pytest.mark.gpu
@@ -284,26 +327,30 @@ import sys
 import torch
 from ztriton.kernels import compiled, pack, warmup
 
+element_size = None if sys.argv[-1] == "all" else int(sys.argv[-1])
+classes = len(warmup.word_units(element_size))
 device = torch.device("cuda", 0)
 torch.zeros(1, device=device)
-warmup.preload_in_background(device).join(120)
-assert len(compiled.loaded_variants()) == 5, compiled.loaded_variants()
+warmup.preload_in_background(device, element_size).join(120)
+assert len(compiled.loaded_variants()) == classes, compiled.loaded_variants()
 assert "triton" not in sys.modules, "the preload compiled nothing"
 sources = [torch.randn(1000 + k, device=device).to(torch.bfloat16) for k in range(40)]
 offsets = [2048 * k for k in range(40)]
 flat = torch.full((2048 * 40,), float("nan"), dtype=torch.bfloat16, device=device)
 pack(flat, sources, offsets, fresh=True)
 assert all(torch.equal(flat[o:o + s.numel()], s) for o, s in zip(offsets, sources))
-assert len(compiled.loaded_variants()) == 5, "the pack needed a variant the preload left out"
+assert len(compiled.loaded_variants()) == classes, "the pack needed a variant the preload left out"
 assert "triton" not in sys.modules, "the pack went through Triton's JIT"
 print("OK")
 """
 
 
 @pytest.mark.gpu
-def test_gpu_preload_loads_the_word_copies_a_fresh_pack_uses(tmp_path):
-    """In a fresh process with the compiled cache filled: the preload loads the five word classes without
-    importing triton, and a pack of odd-sized bf16 sources (heads and tails of several classes) needs no other."""
+@pytest.mark.parametrize("element_size", ["all", "2"])
+def test_gpu_preload_loads_the_word_copies_a_fresh_pack_uses(tmp_path, element_size):
+    """In a fresh process with the compiled cache filled: the preload loads the five word classes (or the four that
+    2-byte elements can use) without importing triton, and a pack of odd-sized bf16 sources (heads and tails of
+    several classes) needs no other."""
     import os
     import subprocess
     import sys
@@ -313,7 +360,8 @@ def test_gpu_preload_loads_the_word_copies_a_fresh_pack_uses(tmp_path):
     filled = subprocess.run([sys.executable, "-m", "ztriton", "compile"], capture_output=True, text=True, env=env,
                             timeout=300)
     assert filled.returncode == 0, filled.stdout + filled.stderr
-    out = subprocess.run([sys.executable, "-c", PRELOAD_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", PRELOAD_CHECK, element_size], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
@@ -383,10 +431,10 @@ def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monk
     """Under the key the preload and torch's cat load start from the config's parse (``prepare_step`` calls
     ``start_preload``), on the device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
     asked = []
-    monkeypatch.setattr(warmup, "preload_in_background", asked.append)
+    monkeypatch.setattr(warmup, "preload_in_background", lambda device, element_size: asked.append((device, element_size)))
     monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     if local_rank is not None:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    ds_config.start_preload()
-    assert asked == expected
+    ds_config.start_preload(2)
+    assert asked == ([(expected[0], 2), expected[1]] if expected else [])

@@ -8,14 +8,18 @@ the part is not a C call that releases it), median over fresh processes, and the
     python bench/probes/probe_background_costs.py [--processes 5] [--out FILE.json]
     python bench/probes/probe_background_costs.py --gil [--processes 5]   # what each takes from the main thread
     python bench/probes/probe_background_costs.py --gil --main cuda         # ... from one launching small kernels
+    python bench/probes/probe_background_costs.py --start                   # what starting the threads takes
 
 ``--gil``: each piece alone in a background thread (fresh process each), while the main thread runs pure Python;
 the main thread's loss (the time its loop would have taken at its own rate before, against what it took) is the
 GIL time the piece held, and the piece's own wall time beside it. ``--main cuda``: the main thread's loop launches
 a tiny kernel per turn instead (as DeepSpeed's set-up of a model on the GPU does between its Python), so that its
-loss also counts waits on the CUDA driver's locks that the piece's loads and pinned allocations hold. ``all``: the threads a ZeRO-2 config with the key
-starts (``config.start_preload``, after ``prepare_step``'s import on the caller's thread). ``import`` in a thread
-is a comparison: the key imports on the caller's thread.
+loss also counts waits on the CUDA driver's locks that the piece's loads and pinned allocations hold. ``loads``:
+the word classes bf16 params use; ``all``: the threads a ZeRO-2 config with the key and bf16 starts
+(``config.start_preload``, after ``prepare_step``'s import on the caller's thread). ``import`` in a thread is a
+comparison: the key imports on the caller's thread.
+
+``--start``: how long ``config.start_preload`` (bf16) keeps the caller's thread, and when its threads are done.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ def child() -> dict:
     from ztriton.kernels.variants import WORD_COPY, word_meta
 
     device = torch.device("cuda", 0)
+    timed("first torch.cuda.Stream", lambda: torch.cuda.Stream(device))  # what each thread's warm_up creates
     for unit in warmup._PRELOAD_UNITS:
         timed(f"load word copy {unit}", lambda: compiled.preload(0, WORD_COPY, word_meta(unit, KERNELS_ONLY)))
     timed("pinned blocks", lambda: warmup._fill_pinned_cache(device))
@@ -65,17 +70,42 @@ def child() -> dict:
     return out
 
 
+def start_child() -> dict:
+    """How long the caller's thread takes to start the preload's threads (``config.start_preload``, after the
+    step's import, as ``prepare_step`` runs it) and how long until they end, in a fresh process."""
+    import torch
+
+    import deepspeed  # noqa: F401
+    import ztriton  # noqa: F401
+    from ztriton.integrations.deepspeed import optimizers  # noqa: F401
+    from ztriton.integrations.deepspeed.config import start_preload
+    from ztriton.kernels import warmup
+
+    import ztriton.flatten  # noqa: F401 -- imported first, as prepare_step does
+
+    torch.nn.Linear(64, 64, device="cuda")
+    torch.cuda.synchronize()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    start_preload(2)  # bf16 params, as bench_coldstart's config says
+    started_ms, started_cpu_ms = (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3
+    for thread in list(warmup._threads):
+        thread.join()
+    return {"start_preload_ms": started_ms, "start_preload_cpu_ms": started_cpu_ms,
+            "threads_done_ms": (time.perf_counter() - wall) * 1e3}
+
+
 def _pieces(device):
     """Each piece of the background work by name, as a callable."""
     from ztriton.integrations.deepspeed.config import start_preload
     from ztriton.kernels import warmup
 
-    def all_threads():  # the key's own threads, joined
-        start_preload()
+    def all_threads():  # the key's own threads for a bf16 config, joined
+        start_preload(2)
         for thread in list(warmup._threads):
             thread.join()
 
-    return {"import": lambda: __import__("ztriton.flatten"), "loads": lambda: warmup.load_word_copies(device),
+    return {"import": lambda: __import__("ztriton.flatten"),
+            "loads": lambda: warmup.load_word_copies(device, warmup.word_units(2)),
             "pinned": lambda: warmup._fill_pinned_cache(device), "cat": lambda: warmup._cat_once(device),
             "all": all_threads}
 
@@ -131,6 +161,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gil", action="store_true")
+    parser.add_argument("--start", action="store_true",
+                        help="how long starting the preload's threads takes the caller (fresh processes)")
+    parser.add_argument("--start-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--main", choices=("python", "cuda"), default="python",
                         help="with --gil: what the main thread runs meanwhile")
     parser.add_argument("--gil-child", help=argparse.SUPPRESS)
@@ -141,8 +174,13 @@ def main() -> int:
     if args.gil_child:
         print("RESULT " + json.dumps(gil_child(args.gil_child, args.main)), flush=True)
         return 0
+    if args.start_child:
+        print("RESULT " + json.dumps(start_child()), flush=True)
+        return 0
     if args.gil:
         return _gil(args)
+    if args.start:
+        return _start(args)
     runs, slowest = [], []
     for _ in range(args.processes):
         result, done = _child_result([sys.executable, "-X", "importtime", __file__, "--child"])
@@ -191,6 +229,22 @@ def _gil(args) -> int:
               f"the piece's wall {f['piece_wall_ms']:6.2f} ms")
     if args.out:
         args.out.write_text(json.dumps({"gil": figures, "main": args.main, "runs": found}, indent=1))
+    return 0
+
+
+def _start(args) -> int:
+    runs = []
+    for _ in range(args.processes):
+        result, _ = _child_result([sys.executable, __file__, "--start-child"])
+        if result is None:
+            return 1
+        runs.append(result)
+    figures = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print("start_preload on the caller's thread %.2f ms (CPU %.2f ms; each: %s), its threads done after %.2f ms" % (
+        figures["start_preload_ms"], figures["start_preload_cpu_ms"],
+        ", ".join(f"{r['start_preload_ms']:.2f}" for r in runs), figures["threads_done_ms"]))
+    if args.out:
+        args.out.write_text(json.dumps({"start": figures, "runs": runs}, indent=1))
     return 0
 
 

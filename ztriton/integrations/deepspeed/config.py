@@ -153,27 +153,37 @@ def start_kernel_warm_up() -> None:
         logging.getLogger("ztriton").debug("ztriton: kernel warm-up not started (%s)", exc)
 
 
-def start_preload() -> None:
+def start_preload(element_size: int | None = None) -> None:
     """Under the key, from the moment a config is read: :func:`preload_on` :func:`rank_device`'s GPU, so that the
     preload is done before the step needs it (one started only when DeepSpeed configures the optimizer is still
     loading inside the flatten, holding the GIL there). Where no GPU is known yet, the engine's hook starts it on
     the engine's device."""
     index = rank_device()
     if index is not None:
-        preload_on(index)
+        preload_on(index, element_size)
 
 
-def preload_on(device) -> None:
-    """Best effort: threads that load the compiled word copies, fill torch's pinned-memory cache and load torch's cat
-    kernel on ``device`` (``kernels.warmup``; never Triton's JIT). A thread that cannot start changes nothing but the
-    first copy's time."""
+def preload_on(device, element_size: int | None = None) -> None:
+    """Best effort: threads that load the compiled word copies (those that copies of ``element_size``-byte params
+    can use, where it is known), fill torch's pinned-memory cache and load torch's cat kernel on ``device``
+    (``kernels.warmup``; never Triton's JIT). A thread that cannot start changes nothing but the first copy's
+    time."""
     from ztriton.kernels.warmup import load_torch_cat_in_background, preload_in_background
 
-    for start in (preload_in_background, load_torch_cat_in_background):
+    for start, args in ((preload_in_background, (device, element_size)), (load_torch_cat_in_background, (device,))):
         try:
-            start(device)
+            start(*args)
         except RuntimeError as exc:  # threading's "can't start new thread"
             logging.getLogger("ztriton").debug("ztriton: %s not started (%s)", start.__name__, exc)
+
+
+def param_element_size(config) -> int | None:
+    """The bytes of each param the ZeRO optimizer will hold, as a DeepSpeed config says: 2 under bf16 or fp16 (the
+    engine casts the model), else None (the model's own dtype, not known from the config)."""
+    for section in ("bfloat16_config", "float16_config"):
+        if getattr(getattr(config, section, None), "enabled", False) is True:
+            return 2
+    return None
 
 
 def rank_device() -> int | None:
@@ -199,19 +209,20 @@ _STEP_MODULES = {1: "ztriton.flatten", 2: "ztriton.flatten", 3: "ztriton.defragm
 _prepared: set[str] = set()
 
 
-def prepare_step(stage: object) -> None:
+def prepare_step(stage: object, element_size: int | None = None) -> None:
     """From the moment a config with the key is read: import the module the key's step at ZeRO ``stage`` needs
     (the flatten's, the defragment's) on the caller's thread, then :func:`start_preload` (its threads), once per
     module and process. A fresh process's step would otherwise pay both. The import is not a thread's: it is
     Python throughout, and a thread's Python time is taken from DeepSpeed's set-up on the main thread (the GIL),
     with waits for it on both sides besides; the preload's threads spend theirs in calls that release it. A
     failure is logged at debug level (the step imports again and raises there if it must; the engine's hook
-    starts the preload)."""
+    starts the preload). ``element_size``: the params' bytes each, where the config says (:func:`param_element_size`)."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
     if name is None or name in _prepared:
         return
     _prepared.add(name)
-    for what, work in (("import of " + name, lambda: importlib.import_module(name)), ("preload", start_preload)):
+    for what, work in (("import of " + name, lambda: importlib.import_module(name)),
+                       ("preload", lambda: start_preload(element_size))):
         try:
             work()
         except Exception as exc:  # noqa: BLE001 -- best effort, as above
@@ -241,7 +252,7 @@ def config_init(original, self, *args, **kwargs):
 
         announce()  # where ztriton stood aside from another library (transformers), the one line saying so
     if settings.triton:  # the import first, before any of ztriton's threads starts (prepare_step says why)
-        prepare_step(getattr(self, "zero_optimization_stage", 0))
+        prepare_step(getattr(self, "zero_optimization_stage", 0), param_element_size(self))
     if settings.triton and settings.options.warm_up_kernels:
         start_kernel_warm_up()
     if isinstance(self._param_dict, dict):

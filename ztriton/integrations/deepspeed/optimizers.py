@@ -12,7 +12,7 @@ from operator import attrgetter
 import torch
 
 from ztriton.integrations.deepspeed import report
-from ztriton.integrations.deepspeed.config import preload_on, settings_from, warn_if_no_effect
+from ztriton.integrations.deepspeed.config import param_element_size, preload_on, settings_from, warn_if_no_effect
 from ztriton.integrations.deepspeed.state import STATE
 from ztriton.kernels.checks import each
 from ztriton.layout import NCCL_START_ALIGNMENT_FACTOR, zero12_group_layout
@@ -27,7 +27,7 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
     copy would otherwise load in the caller's thread (:func:`_preload`)."""
     settings = settings_from(self._config)
     if settings.triton:
-        _preload(self.device)
+        _preload(self.device, param_element_size(self._config))
     token = STATE.building_optimizer.set(settings)
     try:
         return original(self, *args, **kwargs)
@@ -35,11 +35,11 @@ def engine_configure_zero_optimizer(original, self, *args, **kwargs):
         STATE.building_optimizer.reset(token)
 
 
-def _preload(device) -> None:
+def _preload(device, element_size: int | None = None) -> None:
     """:func:`~ztriton.integrations.deepspeed.config.preload_on` the engine's device while DeepSpeed builds the
     optimizer, where it is an indexed CUDA device (the config's parse started it already where it knew the GPU)."""
     if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
-        preload_on(device)
+        preload_on(device, element_size)
 
 
 def accelerator_available_memory(original, self, *args, **kwargs):
