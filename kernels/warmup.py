@@ -200,8 +200,9 @@ def _preload_once(device: torch.device, units: tuple[int, ...]) -> None:
 def word_units(element_size: int | None = None) -> tuple[int, ...]:
     """The word classes (bytes a word) a copy of whole elements of ``element_size`` bytes can use, in
     ``_PRELOAD_UNITS``' order: its pieces start, end and pad at multiples of the element size, so no head or tail is
-    ever cut into narrower words (bf16 params never need the 1-byte class). None, or a size that is not a power of
-    two: every class."""
+    ever cut into narrower words (bf16 params never need the 1-byte class). That assumes storages aligned to their
+    element size, as torch's allocators give (a ``torch.frombuffer`` at an odd offset is not: its copy then loads
+    its class on the caller's thread). None, or a size that is not a power of two: every class."""
     if element_size is None or element_size <= 0 or element_size & (element_size - 1):
         return _PRELOAD_UNITS
     return tuple(unit for unit in _PRELOAD_UNITS if unit >= min(element_size, 16))

@@ -10,9 +10,12 @@ rank's window there (every rank in turn) and on the whole buffer under gloo.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
+import pickle
+import weakref
 from unittest import mock
 
 import pytest
@@ -372,6 +375,24 @@ def test_flat_group_is_read_only_and_says_what_it_holds():
     assert fg.params == (params[0],) and fg.rank == 0 and fg.tier is Tier.DEVICE and fg.decision is not None
     (again,) = ztriton.flatten_groups([{"params": [torch.nn.Parameter(torch.arange(6, dtype=torch.float32))]}])
     assert fg == fg and fg != again
+    for copied in (copy.copy(fg), copy.deepcopy(fg), pickle.loads(pickle.dumps(fg))):  # as a frozen dataclass's
+        assert type(copied) is ztriton.FlatGroup and copied is not fg and torch.equal(copied.flat, fg.flat)
+        assert copied.layout == fg.layout and copied.tier is fg.tier and copied.rank == fg.rank
+        assert copied.decision == fg.decision and len(copied.params) == 1
+    assert copy.copy(fg).flat is fg.flat and copy.deepcopy(fg).flat is not fg.flat
+    assert weakref.ref(fg)() is fg
+    match fg:
+        case ztriton.FlatGroup(flat, params, layout, tier, rank, decision):
+            assert flat is fg.flat and tier is fg.tier and decision is fg.decision
+
+    class Tagged(ztriton.FlatGroup):  # a subclass may carry attributes of its own; its fields stay read-only
+        pass
+
+    tagged = Tagged(fg.flat, fg.params, fg.layout, fg.tier, fg.rank, fg.decision)
+    tagged.note = "mine"
+    assert tagged.note == "mine" and tagged.flat is fg.flat and "Tagged(flat=" in repr(tagged)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tagged.rank = 1
 
 
 def test_every_kind_of_param_is_repointed_into_the_buffer():

@@ -88,6 +88,7 @@ def start_child() -> dict:
     wall, cpu = time.perf_counter(), time.thread_time()
     start_preload(2)  # bf16 params, as bench_coldstart's config says
     started_ms, started_cpu_ms = (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3
+    assert warmup._threads, "no preload thread started (several GPUs and no LOCAL_RANK?)"
     for thread in list(warmup._threads):
         thread.join()
     return {"start_preload_ms": started_ms, "start_preload_cpu_ms": started_cpu_ms,
@@ -141,6 +142,7 @@ def gil_child(piece: str, main: str = "python") -> dict:
     deadline = time.perf_counter() + 0.2
     count, spent = spin(lambda: time.perf_counter() > deadline)
     rate = count / spent  # iterations a second, alone
+    torch.cuda.synchronize()  # no backlog of the rate's kernels into the measured loop
     span = {}
 
     def run():
@@ -168,6 +170,8 @@ def main() -> int:
                         help="with --gil: what the main thread runs meanwhile")
     parser.add_argument("--gil-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.main != "python" and not (args.gil or args.gil_child):
+        parser.error("--main goes with --gil")
     if args.child:
         print("RESULT " + json.dumps(child()), flush=True)
         return 0
