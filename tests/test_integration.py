@@ -674,7 +674,8 @@ def test_deepspeed_reading_a_config_with_the_key_starts_the_import(monkeypatch):
     base = {"train_batch_size": 1, "zero_optimization": {"stage": 2}}
     DeepSpeedConfig(dict(base))
     DeepSpeedConfig({**base, "partition_backend": "triton"})
-    DeepSpeedConfig({**base, "zero_optimization": {"stage": 3}, "partition_backend": "triton", "bf16": {"enabled": True}})
+    DeepSpeedConfig({**base, "zero_optimization": {"stage": 3}, "partition_backend": "triton",
+                     "bf16": {"enabled": True}})
     DeepSpeedConfig({**base, "partition_backend": "triton", "fp16": {"enabled": True}})
     # the params' bytes each where the config says (the engine casts the model under bf16 or fp16), else unknown
     assert asked == [(2, None), (3, 2), (2, 2)]

@@ -456,7 +456,7 @@ def test_the_key_s_config_parse_preloads_on_the_rank_s_device_only(started, monk
     """Under the key the preload and torch's cat load start from the config's parse (``prepare_step`` calls
     ``start_preload``), on the device the warm-up would pick: LOCAL_RANK's, the only GPU's, or none."""
     asked = []
-    monkeypatch.setattr(warmup, "preload_in_background", lambda device, element_size: asked.append((device, element_size)))
+    monkeypatch.setattr(warmup, "preload_in_background", lambda device, size: asked.append((device, size)))
     monkeypatch.setattr(warmup, "load_torch_cat_in_background", asked.append)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     if local_rank is not None:

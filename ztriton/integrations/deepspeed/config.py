@@ -216,7 +216,8 @@ def prepare_step(stage: object, element_size: int | None = None) -> None:
     Python throughout, and a thread's Python time is taken from DeepSpeed's set-up on the main thread (the GIL),
     with waits for it on both sides besides; the preload's threads spend theirs in calls that release it. A
     failure is logged at debug level (the step imports again and raises there if it must; the engine's hook
-    starts the preload). ``element_size``: the params' bytes each, where the config says (:func:`param_element_size`)."""
+    starts the preload). ``element_size``: the params' bytes each, where the config says
+    (:func:`param_element_size`)."""
     name = _STEP_MODULES.get(stage) if isinstance(stage, int) else None
     if name is None or name in _prepared:
         return
