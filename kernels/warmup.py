@@ -37,6 +37,7 @@ from .ops import pack_plan
 from .state import WARMING
 from .tuning import KERNELS_ONLY
 from .variants import WORD_COPY, word_meta
+from .words import word_unit
 
 __all__ = ["fill_in_background", "load_torch_cat_in_background", "load_word_copies", "preload_in_background",
            "warm_up", "warm_up_in_background", "word_units"]
@@ -202,10 +203,11 @@ def word_units(element_size: int | None = None) -> tuple[int, ...]:
     ``_PRELOAD_UNITS``' order: its pieces start, end and pad at multiples of the element size, so no head or tail is
     ever cut into narrower words (bf16 params never need the 1-byte class). That assumes storages aligned to their
     element size, as torch's allocators give (a ``torch.frombuffer`` at an odd offset is not: its copy then loads
-    its class on the caller's thread). None, or a size that is not a power of two: every class."""
-    if element_size is None or element_size <= 0 or element_size & (element_size - 1):
+    its class on the caller's thread). None (or no positive size): every class."""
+    if element_size is None or element_size <= 0:
         return _PRELOAD_UNITS
-    return tuple(unit for unit in _PRELOAD_UNITS if unit >= min(element_size, 16))
+    widest = word_unit(element_size)  # every address and length of such a copy divides by it
+    return tuple(unit for unit in _PRELOAD_UNITS if unit >= widest)
 
 
 def load_word_copies(device: torch.device, units: tuple[int, ...] = _PRELOAD_UNITS) -> None:

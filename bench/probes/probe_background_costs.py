@@ -34,16 +34,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def child() -> dict:
+def _as_a_user_s_process() -> None:
+    """What a user's process has before DeepSpeed reads the config: deepspeed, ztriton and its hooks' modules
+    imported, a model on the GPU (the context exists)."""
     import torch
 
-    import deepspeed  # noqa: F401 -- as a user's process has it before the config is read
+    import deepspeed  # noqa: F401
     import ztriton  # noqa: F401
     from ztriton.integrations.deepspeed import optimizers  # noqa: F401 -- the hooks' modules
 
-    model = torch.nn.Linear(64, 64, device="cuda")  # the model on the GPU: the context exists
-    del model
+    torch.nn.Linear(64, 64, device="cuda")
     torch.cuda.synchronize()
+
+
+def child() -> dict:
+    import torch
+
+    _as_a_user_s_process()
     out: dict[str, list[float]] = {}
 
     def timed(name, work):
@@ -73,18 +80,12 @@ def child() -> dict:
 def start_child() -> dict:
     """How long the caller's thread takes to start the preload's threads (``config.start_preload``, after the
     step's import, as ``prepare_step`` runs it) and how long until they end, in a fresh process."""
-    import torch
-
-    import deepspeed  # noqa: F401
-    import ztriton  # noqa: F401
-    from ztriton.integrations.deepspeed import optimizers  # noqa: F401
+    _as_a_user_s_process()
     from ztriton.integrations.deepspeed.config import start_preload
     from ztriton.kernels import warmup
 
     import ztriton.flatten  # noqa: F401 -- imported first, as prepare_step does
 
-    torch.nn.Linear(64, 64, device="cuda")
-    torch.cuda.synchronize()
     wall, cpu = time.perf_counter(), time.thread_time()
     start_preload(2)  # bf16 params, as bench_coldstart's config says
     started_ms, started_cpu_ms = (time.perf_counter() - wall) * 1e3, (time.thread_time() - cpu) * 1e3
@@ -118,12 +119,9 @@ def gil_child(piece: str, main: str = "python") -> dict:
 
     import torch
 
-    import deepspeed  # noqa: F401
-    import ztriton  # noqa: F401
-    from ztriton.integrations.deepspeed import optimizers  # noqa: F401
+    _as_a_user_s_process()
     from ztriton.kernels import warmup  # noqa: F401 -- imported before: its import is not a piece
 
-    torch.nn.Linear(64, 64, device="cuda")
     small = torch.zeros(16, device="cuda")
     small.add_(1)  # its kernel loaded before the rate is measured
     torch.cuda.synchronize()
