@@ -15,7 +15,7 @@ from .launch import Plan
 from .pieces import Piece, pack_pieces, slices_to_pieces
 from .plan import make_plan, run_plan
 from .tuning import Tuning
-from .turns import run_fresh
+from .turns import pack_fresh, run_fresh
 
 __all__ = ["copy_chunk", "pack", "pack_plan", "pack_slices"]
 
@@ -60,7 +60,10 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     so the device starts before the last source is checked; an error after the first copy leaves dst
     partly written (drop it).
     """
-    (run_fresh if fresh else run_plan)(dst, *pack_pieces(dst, sources, offsets, window))
+    if fresh:
+        pack_fresh(dst, sources, offsets, window)
+    else:
+        run_plan(dst, *pack_pieces(dst, sources, offsets, window))
     return dst
 
 

@@ -15,7 +15,8 @@ import torch
 from .checks import as_index, as_sequence, check_disjoint, check_dst, each, each_int64, first_true, int64_column, \
     show, within_index_limit
 
-__all__ = ["PackPieces", "Piece", "known_disjoint", "pack_pieces", "slices_to_pieces", "sources_of", "uncovered"]
+__all__ = ["PackPieces", "Piece", "known_disjoint", "offsets_column", "pack_pieces", "slices_to_pieces", "sources_of",
+           "uncovered"]
 
 
 class Piece(NamedTuple):
@@ -144,7 +145,8 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     layout, written to ``dst[: w1 - w0]``."""
     check_dst(dst)
     sources = as_sequence("sources", sources)
-    offsets = as_sequence("offsets", offsets)
+    column = offsets if _is_offsets_column(offsets) else None
+    offsets = offsets if column is not None else as_sequence("offsets", offsets)
     if len(sources) != len(offsets):
         raise ValueError(f"got {len(sources)} sources but {len(offsets)} offsets")
     w0, w1 = _window(window, dst)
@@ -156,9 +158,7 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
             if not isinstance(src, torch.Tensor):
                 raise TypeError(f"sources[{i}] must be a torch.Tensor, got {type(src).__name__} {show(src)}")
     numels = each_int64("numel", sources, kinds)
-    if not set(map(type, offsets)) <= {int}:
-        offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
-    begin = int64_column(offsets, lambda i: f"offsets[{i}]")
+    begin = column if column is not None else offsets_column(offsets)
     end = begin + numels
     i = first_true(begin < 0)
     if i is not None:
@@ -175,6 +175,20 @@ def pack_pieces(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seq
     pieces = PackPieces(list(sources), np.where(inside, lo - begin, 0), np.where(inside, hi - lo, 0),
                         np.where(inside, lo - w0, 0), end - begin, gaps)
     return pieces, gaps
+
+
+def offsets_column(offsets: Sequence[int]) -> np.ndarray:
+    """A pack's ``offsets`` (a sequence of ints) as an int64 column, or the error naming the first bad one."""
+    if not set(map(type, offsets)) <= {int}:
+        offsets = [o if type(o) is int else as_index(f"offsets[{i}]", o) for i, o in enumerate(offsets)]
+    return int64_column(offsets, lambda i: f"offsets[{i}]")
+
+
+def _is_offsets_column(offsets: object) -> bool:
+    """Whether ``offsets`` is already what :func:`offsets_column` makes (a fresh pack's early turn made it):
+    a 1-D int64 array in range, used as it is (never kept: the pieces' columns are computed from it)."""
+    return isinstance(offsets, np.ndarray) and offsets.dtype == np.int64 and offsets.ndim == 1 and \
+        within_index_limit(offsets)
 
 
 def _window(window: tuple[int, int] | None, dst: torch.Tensor) -> tuple[int, int]:

@@ -10,13 +10,20 @@ nothing anyone reads yet: a failure half way through leaves only a buffer that i
 pieces go first: the device then has the most to copy while the host checks the many small ones (the order
 of the writes does not matter, their destinations are disjoint), and the zero ranges go last. What never
 changes: what no turn could check alone (destination ranges disjoint across the whole job, the zero ranges
-inside dst) is checked before any byte is written; each turn is checked in full before its own bytes are
+inside dst) is checked before any byte is written but a pack's first turn's (below); each turn is checked in full before its own bytes are
 written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
 its index in the whole job, as a single plan's would.
 
 Turns pay only where the device has something to overlap: on the kernels' route (more than
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
 host's check of the next.
+
+A pack (no window) starts one step sooner (:func:`pack_fresh`): where no piece can lead, its first turn is chosen
+from the offsets alone, the sources with the most room before the next offset, and copied before the whole job's
+pieces are built (a ``numel`` per source) and its destinations checked: those then overlap the device's copy of
+the biggest pieces. The first turn's own pieces are checked in full before it is written, so nothing is ever
+written outside dst; a fault elsewhere (two destinations overlapping) is then found after the first turn's writes,
+which a fresh dst allows, and raised as one plan raises it.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
@@ -35,15 +42,15 @@ import numpy as np
 
 import torch
 
-from .checks import as_zero_ranges, check_disjoint, check_dst
-from .pieces import PackPieces, Piece, known_disjoint
+from .checks import as_zero_ranges, check_disjoint, check_dst, each_int64, within_index_limit
+from .pieces import PackPieces, Piece, known_disjoint, pack_pieces
 from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
 from .tuning import KERNELS_ONLY
 from .validation import validate
 
-__all__ = ["lead", "run_fresh", "schedule", "turns", "worth_turns"]
+__all__ = ["lead", "pack_fresh", "run_fresh", "schedule", "turns", "worth_turns"]
 
 # The first turn is small, so that the device starts early on the biggest pieces; each next one is four times as
 # big, so that a turn's fixed cost (one plan's checks, numpy, table upload and launches) is paid a few times only.
@@ -75,16 +82,17 @@ def turns(n: int, first: int | None = None, growth: int | None = None, last: int
         a, size = b, min(last, growth * size)
 
 
-def schedule(pieces: PackPieces) -> list[np.ndarray]:
-    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
-    return [indices for indices, _ in _in_turns(pieces)]
+def schedule(pieces: PackPieces, first: int | None = None) -> list[np.ndarray]:
+    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes (from a
+    first turn of ``first`` pieces, by default FIRST_TURN)."""
+    return [indices for indices, _ in _in_turns(pieces, first)]
 
 
-def _in_turns(pieces: PackPieces) -> Iterator[tuple[np.ndarray, bool]]:
+def _in_turns(pieces: PackPieces, first: int | None = None) -> Iterator[tuple[np.ndarray, bool]]:
     """:func:`schedule`'s turns, each with whether it is the last, the order found as they are asked for: the first
     turn's pieces without sorting them all, the rest sorted only when the second turn is asked for (in a fresh
     pack, while the device copies the first)."""
-    bounds = list(turns(len(pieces)))
+    bounds = list(turns(len(pieces), first))
     count = np.maximum(pieces.count, 0)
     for t, (a, b) in enumerate(bounds):
         if t == 0:
@@ -122,15 +130,81 @@ def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
     return moved >= MIN_MEAN_BYTES * len(pieces)
 
 
+def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+               window: tuple[int, int] | None = None) -> None:
+    """:func:`~ztriton.kernels.ops.pack` into a ``dst`` just allocated for it: :func:`run_fresh` of the pack's
+    pieces, after its first turn chosen from the offsets where the job allows (module docstring). The same bytes
+    and, for a bad argument, the same error as one plan."""
+    first = _first_turn_by_room(dst, sources, offsets) if window is None else None
+    if first is None:
+        run_fresh(dst, *pack_pieces(dst, sources, offsets, window))
+        return
+    begin, chosen, pieces = first
+    try:
+        make_plan(dst, pieces, (), KERNELS_ONLY, run_now=True).launch()
+    except (TypeError, ValueError):
+        validate(dst, *pack_pieces(dst, sources, offsets))  # the whole job's first fault, as one plan names it
+        raise
+    run_fresh(dst, *pack_pieces(dst, sources, begin), done=chosen)
+
+
+def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
+                        ) -> tuple[np.ndarray, np.ndarray, PackPieces] | None:
+    """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
+    FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room.
+    Their destinations are then disjoint, each inside its own room. None where the job goes as :func:`run_fresh`
+    alone: too few pieces or bytes for turns, room enough for a lead, offsets that are not plain ints, or a chosen
+    source that is not a tensor or does not fit (the whole job's checks then name it). Never raises for a bad
+    argument: that is for the checks that name it."""
+    if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)):
+        return None
+    n = len(sources)
+    if n <= MIN_PIECES or not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
+            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n or not set(map(type, offsets)) <= {int}:
+        return None
+    try:
+        begin = np.array(offsets, dtype=np.int64)
+    except OverflowError:
+        return None
+    room = _room(begin, dst.numel())
+    if room is None or int(room.max()) >= -(-LEAD_BYTES // dst.element_size()):
+        return None
+    chosen = _biggest(room, FIRST_TURN)
+    picked = [sources[i] for i in chosen.tolist()]
+    if not all(isinstance(src, torch.Tensor) for src in picked):
+        return None
+    count = each_int64("numel", picked)
+    if bool((count > room[chosen]).any()):
+        return None
+    return begin, chosen, PackPieces(picked, np.zeros_like(count), count, begin[chosen], count)
+
+
+def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
+    """Each offset's distance to the next one up (in order of offset, ties in index order; ``end`` after the last),
+    or None for offsets out of ``[0, end]``."""
+    if not within_index_limit(begin) or bool((begin < 0).any()) or bool((begin > end).any()):
+        return None
+    order = None if bool((begin[1:] >= begin[:-1]).all()) else np.argsort(begin, kind="stable")
+    placed = begin if order is None else begin[order]
+    gaps = np.diff(placed, append=end)
+    if order is None:
+        return gaps
+    room = np.empty_like(gaps)
+    room[order] = gaps
+    return room
+
+
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              what: str = "sources") -> None:
+              what: str = "sources", done: np.ndarray | None = None) -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
     of the result (drop it). The sources are only read, as dst's contract requires: a source lying inside dst (which
     a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
-    copies wrote over it."""
-    if not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or worth_turns(dst, pieces)):
+    copies wrote over it. ``done``: the indices of pieces already copied (:func:`pack_fresh`'s first turn), checked
+    with the whole job, not copied again; the turns then go on from the second turn's size."""
+    if done is None and (not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or
+                                                                     worth_turns(dst, pieces))):
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
@@ -139,21 +213,23 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         check_launchable(dst)  # as one plan's (after its checks of the pieces): even when every piece leads
         if not known_disjoint(pieces, zeros):  # a pack's pieces and gaps were checked by pack_pieces
             _check_destinations(dst, pieces, zeros, what)
+    # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
+    left = np.ones(len(pieces), dtype=bool)
+    if done is not None:
+        left[done] = False
     first = lead(dst, pieces)
-    rest = pieces
+    first = first[left[first]]
     if len(first):
         _copy_lead(dst, pieces, first)
-        # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
-        left = np.ones(len(pieces), dtype=bool)
         left[first] = False
-        rest = pieces.take(np.flatnonzero(left), distinct=True)
+    rest = pieces if bool(left.all()) else pieces.take(np.flatnonzero(left), distinct=True)
     if not worth_turns(dst, rest):
         if len(rest) or len(zeros):
             with _errors_as_one_plan(dst, pieces, zeros, what):
                 run_plan(dst, rest, zeros, what=what)
         return
     no_zeros = zeros[:0]
-    for indices, last in _in_turns(rest):
+    for indices, last in _in_turns(rest, None if done is None else FIRST_TURN * GROWTH):
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
         zeros_now = zeros if last else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):

@@ -117,8 +117,11 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     while the host checks the rest), every zero range in the last turn."""
     made = planned_turns(monkeypatch)
     sources = sources_of(N, torch.float32, seed=1)
-    offsets = [10 * k + 1 for k in range(len(sources))]
-    dst = torch.empty(10 * len(sources), device=DEVICE)
+    offsets, at = [], 0
+    for s in sources:  # a pad before each: the room before the next offset orders the sources as their sizes do
+        offsets.append(at + 1)
+        at += 1 + s.numel()
+    dst = torch.empty(at + 1, device=DEVICE)
     pack(dst, sources, offsets, fresh=True)
     assert [len(p) for p, _, _ in made] == [b - a for a, b in turns(N)] and len(made) > 2
     counts = [p.count for p, _, _ in made]
@@ -131,6 +134,100 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
+
+
+def _roomy_pack(n: int = N, seed: int = 17):
+    """``n`` sources of 1-9 elements, each at an offset with a room of 1-40 elements before the next one (dst's end
+    after the last): the room does not order the sources as their sizes do."""
+    g = torch.Generator().manual_seed(seed)
+    sources = sources_of(n, torch.float32, seed)
+    offsets, at = [], 0
+    for s in sources:
+        offsets.append(at)
+        at += s.numel() + int(torch.randint(0, 32, (), generator=g))
+    return sources, offsets, torch.empty(at, device=DEVICE)
+
+
+def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(monkeypatch):
+    """A fresh pack's first turn: the FIRST_TURN sources with the most room before the next offset (ties in index
+    order), copied before the whole job is read; then the others in the second and later turns' sizes, biggest
+    first; the bytes those of one plan."""
+    made = planned_turns(monkeypatch)
+    sources, offsets, dst = _roomy_pack()
+    pack(dst, sources, offsets, fresh=True)
+    room = np.diff(offsets + [dst.numel()])
+    by_room = sorted(range(N), key=lambda i: (-room[i], i))[:FIRST_TURN]
+    assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in by_room]
+    assert sorted(s.numel() for s in made[0][0].sources) != sorted(s.numel() for s in sources)[-FIRST_TURN:]
+    rest = [i for i in range(N) if i not in set(by_room)]
+    by_size = sorted(rest, key=lambda i: (-sources[i].numel(), i))
+    assert [id(s) for p, _, _ in made[1:] for s in p.sources] == [id(sources[i]) for i in by_size]
+    assert [len(p) for p, _, _ in made] == [FIRST_TURN] + [b - a for a, b in turns(len(rest), FIRST_TURN * 4)]
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected))
+
+
+@pytest.mark.parametrize("case", ["offsets as numpy ints", "a source past its room", "an offset past dst",
+                                  "a room big enough to lead", "a window"])
+def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
+    """No first turn by room where the offsets are not plain ints in dst, a chosen source overflows its room, a
+    piece could lead, or there is a window: then the job is read whole first, as before, with the same bytes."""
+    made = planned_turns(monkeypatch)
+    sources, offsets, dst = _roomy_pack()
+    window = None
+    if case == "offsets as numpy ints":
+        offsets = [np.int64(o) for o in offsets]
+    elif case in ("a source past its room", "an offset past dst"):  # the whole job's checks name the fault
+        big = int(np.argmax(np.diff(offsets + [dst.numel()])))  # before any byte is written
+        if case == "a source past its room":
+            sources[big] = torch.zeros(offsets[big + 1] - offsets[big] + 1, device=DEVICE)
+            match = rf"sources\[{big}\].*sources\[{big + 1}\].*overlap"
+        else:
+            offsets[-1] = dst.numel() + 1
+            match = rf"sources\[{N - 1}\]: destination range .* does not fit"
+        with pytest.raises(ValueError, match=match):
+            pack(dst.fill_(7.0), sources, offsets, fresh=True)
+        assert made == [] and bool((dst == 7.0).all())
+        return
+    elif case == "a room big enough to lead":  # a room of 20 elements or more: no source is that big, none leads
+        monkeypatch.setattr(turns_module, "LEAD_BYTES", 4 * 20)
+    else:
+        window = (5, dst.numel())
+        dst = dst[5:]
+    pack(dst, sources, offsets, window, fresh=True)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets, window)
+    assert torch.equal(bits(dst), bits(expected))
+    biggest = sorted(range(len(sources)), key=lambda i: (-sources[i].numel(), i))
+    assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in biggest[:len(made[0][0])]]
+
+
+@pytest.mark.parametrize("fault", ["dtype in the first turn", "dtype in a later turn", "overlap in a later turn"])
+def test_a_fault_in_a_pack_with_a_first_turn_by_room_is_the_one_plans(fault):
+    """The first turn's own pieces are checked in full before it is written: a fault there writes nothing. A fault
+    that only the whole job shows is found after the first turn's writes (a fresh dst allows them); either way
+    the error is the one plan's, and no source changes."""
+    sources, offsets, dst = _roomy_pack()
+    room = np.diff(offsets + [dst.numel()])
+    by_room = sorted(range(N), key=lambda i: (-room[i], i))
+    first, late = by_room[0], by_room[-1]
+    if fault == "dtype in the first turn":
+        sources[first] = sources[first].double()
+    elif fault == "dtype in a later turn":
+        sources[late] = sources[late].double()
+    else:  # a later source's destination reaches into its neighbour's
+        sources[late] = torch.zeros(room[late] + 1, device=DEVICE)
+    before = [bits(s).clone() for s in sources]
+    errors = []
+    for fresh in (False, True):
+        with pytest.raises((TypeError, ValueError)) as caught:
+            pack(dst.fill_(7.0), sources, offsets, fresh=fresh)
+        errors.append((type(caught.value), str(caught.value)))
+        if fault == "dtype in the first turn" or not fresh:
+            assert bool((dst == 7.0).all())
+    assert errors[0] == errors[1]
+    assert all(torch.equal(bits(s), b) for s, b in zip(sources, before))
 
 
 @given(counts=st.lists(st.integers(-2, 50), max_size=400))
