@@ -17,6 +17,13 @@ def llm_mix() -> list[list[int]]:
     return [[4096, 4096]] * 200 + [[4096]] * 400 + [[151936, 4096]] * 2
 
 
+def llama_7b() -> list[list[int]]:
+    """Shapes of a Llama-2-7B's params (12.6 GiB of bf16, 291 params): no param of 256 MiB or more (its embeddings
+    are 250 MiB), so none leads a fresh pack (``kernels/turns.py``)."""
+    layer = [[4096, 4096]] * 4 + [[11008, 4096]] * 2 + [[4096, 11008]] + [[4096]] * 2
+    return [[32000, 4096]] + layer * 32 + [[4096], [32000, 4096]]
+
+
 def log_uniform_mix(count=2000, lo=4 << 10, hi=64 << 20, seed=0) -> list[list[int]]:
     """``count`` 1-D bf16 tensors whose sizes in bytes are log-uniform in [lo, hi]."""
     gen = torch.Generator().manual_seed(seed)

@@ -10,9 +10,9 @@ nothing anyone reads yet: a failure half way through leaves only a buffer that i
 pieces go first: the device then has the most to copy while the host checks the many small ones (the order
 of the writes does not matter, their destinations are disjoint), and the zero ranges go last. What never
 changes: what no turn could check alone (destination ranges disjoint across the whole job, the zero ranges
-inside dst) is checked before any byte is written but a pack's first turn's (below); each turn is checked in full before its own bytes are
-written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
-its index in the whole job, as a single plan's would.
+inside dst) is checked before any byte is written, but for a pack's first turn chosen by room (below); each
+turn is checked in full before its own bytes are written, so nothing is ever written outside dst; the sources
+are only read; an error names the culprit by its index in the whole job, as a single plan's would.
 
 Turns pay only where the device has something to overlap: on the kernels' route (more than
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the

@@ -394,17 +394,28 @@ def _failing_turn(monkeypatch, at: int, error: type[BaseException]) -> list:
     return made
 
 
+def _first_turns_by_room(monkeypatch) -> list:
+    """Record whether each fresh pack's first turn was chosen from its offsets (:func:`pack_fresh`)."""
+    chosen, real = [], turns_module._first_turn_by_room
+    monkeypatch.setattr(turns_module, "_first_turn_by_room",
+                        lambda *args: chosen.append(real(*args)) or chosen[-1])
+    return chosen
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["first turn", "second turn"])
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, _TurnFault])
-def test_a_flatten_whose_second_turn_fails_keeps_every_param(monkeypatch, error):
+def test_a_flatten_whose_turn_fails_keeps_every_param(monkeypatch, error, at):
     """A fresh buffer is partly written when a later turn fails: the flatten drops it and falls back to its next
-    tier on an OOM (the right bytes) or raises anything else, every param holding its values either way."""
+    tier on an OOM (the right bytes) or raises anything else, every param holding its values either way. The
+    first turn is the one chosen from the offsets, before the other params are read."""
     import ztriton
 
     def params():
         return [torch.nn.Parameter(s.float()) for s in sources_of(N, torch.float32, seed=17)]
 
     expected = ztriton.flatten_groups([params()], tier="device")[0].flat.clone()
-    made = _failing_turn(monkeypatch, 2, error)
+    by_room = _first_turns_by_room(monkeypatch)
+    made = _failing_turn(monkeypatch, at, error)
     group = params()
     before = [bits(p).clone() for p in group]
     if error is torch.OutOfMemoryError:
@@ -414,19 +425,21 @@ def test_a_flatten_whose_second_turn_fails_keeps_every_param(monkeypatch, error)
     else:
         with pytest.raises(_TurnFault):
             ztriton.flatten_groups([group], tier="device")
-    assert len(made) >= 2, "the flatten's pack did not go in turns"
+    assert len(made) >= at and by_room[0] is not None, "the flatten's pack did not go in turns from a first by room"
     assert all(torch.equal(bits(p), b) for p, b in zip(group, before))
 
 
+@pytest.mark.parametrize("at", [1, 2], ids=["first turn", "second turn"])
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, _TurnFault])
-def test_a_defragment_whose_second_turn_fails_keeps_every_partition(monkeypatch, error):
+def test_a_defragment_whose_turn_fails_keeps_every_partition(monkeypatch, error, at):
     from ztriton.defragmenting import defragment
 
     def partitions():
         return [s.reshape(-1).clone() for s in sources_of(N, torch.float32, seed=19)]
 
     expected = torch.cat([bits(t) for t in partitions()])
-    made = _failing_turn(monkeypatch, 2, error)
+    by_room = _first_turns_by_room(monkeypatch)
+    made = _failing_turn(monkeypatch, at, error)
     tensors = partitions()
     before = [bits(t).clone() for t in tensors]
     if error is torch.OutOfMemoryError:  # the tables' OOM: nothing moved yet, so the evict tier
@@ -435,7 +448,7 @@ def test_a_defragment_whose_second_turn_fails_keeps_every_partition(monkeypatch,
     else:
         with pytest.raises(_TurnFault):
             defragment(tensors, tier="device")
-    assert len(made) >= 2, "the defragment's pack did not go in turns"
+    assert len(made) >= at and by_room[0] is not None, "the defragment's pack did not go in turns from a first by room"
     assert all(torch.equal(bits(t), b) for t, b in zip(tensors, before))
 
 
