@@ -187,8 +187,8 @@ def offsets_column(offsets: Sequence[int]) -> np.ndarray:
 def _is_offsets_column(offsets: object) -> bool:
     """Whether ``offsets`` is already what :func:`offsets_column` makes (a fresh pack's early turn made it):
     a 1-D int64 array in range, used as it is (never kept: the pieces' columns are computed from it)."""
-    return isinstance(offsets, np.ndarray) and offsets.dtype == np.int64 and offsets.ndim == 1 and \
-        within_index_limit(offsets)
+    return type(offsets) is np.ndarray and offsets.dtype == np.int64 and offsets.ndim == 1 and \
+        within_index_limit(offsets)  # not a subclass: a masked array's masked values would be read as offsets
 
 
 def _window(window: tuple[int, int] | None, dst: torch.Tensor) -> tuple[int, int]:

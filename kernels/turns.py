@@ -18,12 +18,12 @@ Turns pay only where the device has something to overlap: on the kernels' route 
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
 host's check of the next.
 
-A pack (no window) starts one step sooner (:func:`pack_fresh`): where no piece can lead, its first turn is chosen
-from the offsets alone, the sources with the most room before the next offset, and copied before the whole job's
-pieces are built (a ``numel`` per source) and its destinations checked: those then overlap the device's copy of
-the biggest pieces. The first turn's own pieces are checked in full before it is written, so nothing is ever
-written outside dst; a fault elsewhere (two destinations overlapping) is then found after the first turn's writes,
-which a fresh dst allows, and raised as one plan raises it.
+A pack (no window) starts one step sooner (:func:`pack_fresh`): where no offset has room for a piece that could
+lead, its first turn is chosen from the offsets alone, the sources with the most room before the next offset, and
+copied before the whole job's pieces are built (a ``numel`` per source) and its destinations checked: those then
+overlap the device's copy of the biggest pieces. The first turn's own pieces are checked in full before it is
+written, so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping) is then found
+after the first turn's writes, which a fresh dst allows, and raised as one plan raises it.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
@@ -48,7 +48,6 @@ from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
 from .tuning import KERNELS_ONLY
-from .validation import validate
 
 __all__ = ["lead", "pack_fresh", "run_fresh", "schedule", "turns", "worth_turns"]
 
@@ -143,7 +142,7 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
     try:
         make_plan(dst, pieces, (), KERNELS_ONLY, run_now=True).launch()
     except (TypeError, ValueError):
-        validate(dst, *pack_pieces(dst, sources, offsets))  # the whole job's first fault, as one plan names it
+        _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
         raise
     run_fresh(dst, *pack_pieces(dst, sources, begin), done=chosen)
 
@@ -301,8 +300,20 @@ def _errors_as_one_plan(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray
     try:
         yield
     except (TypeError, ValueError):
-        validate(dst, pieces, zeros, what=what)
+        _raise_as_one_plan(dst, pieces, zeros, what)
         raise
+
+
+def _raise_as_one_plan(dst: torch.Tensor, pieces: Sequence[Piece], zeros, what: str) -> None:
+    """Raise the error one plan of the whole job raises first, if any: its checks, then its planning's (a source's
+    dims past the kernels' limit is found there, and named by its shape). Nothing is launched. A failure that is
+    no argument's fault (memory for the plan's tables) is not raised: the caller's own error then stands."""
+    try:
+        make_plan(dst, pieces, zeros, what=what)
+    except (TypeError, ValueError):
+        raise
+    except Exception:  # noqa: BLE001 (see the docstring)
+        pass
 
 
 def _check_destinations(dst: torch.Tensor, pieces: PackPieces, zeros: np.ndarray, what: str) -> None:

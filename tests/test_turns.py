@@ -136,36 +136,69 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     assert torch.equal(bits(dst), bits(expected))
 
 
-def _roomy_pack(n: int = N, seed: int = 17):
+def _roomy_pack(n: int = N, seed: int = 17, shuffled: bool = False):
     """``n`` sources of 1-9 elements, each at an offset with a room of 1-40 elements before the next one (dst's end
-    after the last): the room does not order the sources as their sizes do."""
+    after the last): the room does not order the sources as their sizes do. ``shuffled``: also an empty source at
+    every 7th source's offset (a tie), and the sources and their offsets in a random order."""
     g = torch.Generator().manual_seed(seed)
     sources = sources_of(n, torch.float32, seed)
     offsets, at = [], 0
     for s in sources:
         offsets.append(at)
         at += s.numel() + int(torch.randint(0, 32, (), generator=g))
+    if shuffled:
+        ties = range(0, len(sources), 7)
+        sources += [torch.empty(0, device=DEVICE) for _ in ties]
+        offsets += [offsets[k] for k in ties]
+        order = torch.randperm(len(sources), generator=g).tolist()
+        sources, offsets = [sources[i] for i in order], [offsets[i] for i in order]
     return sources, offsets, torch.empty(at, device=DEVICE)
 
 
-def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(monkeypatch):
+def _by_room(offsets: list[int], end: int) -> list[int]:
+    """The sources' indices by decreasing room before the next offset up (ties in index order), the room found as
+    written: offsets in order (equal ones in index order), each one's room up to the next (``end`` after the last)."""
+    placed = sorted(range(len(offsets)), key=lambda i: (offsets[i], i))
+    room = {i: (offsets[j] if j is not None else end) - offsets[i]
+            for i, j in zip(placed, placed[1:] + [None])}
+    return sorted(range(len(offsets)), key=lambda i: (-room[i], i))
+
+
+@pytest.mark.parametrize("shuffled", [False, True], ids=["offsets in order", "shuffled, with ties"])
+def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(monkeypatch, shuffled):
     """A fresh pack's first turn: the FIRST_TURN sources with the most room before the next offset (ties in index
     order), copied before the whole job is read; then the others in the second and later turns' sizes, biggest
     first; the bytes those of one plan."""
     made = planned_turns(monkeypatch)
-    sources, offsets, dst = _roomy_pack()
+    sources, offsets, dst = _roomy_pack(shuffled=shuffled)
+    n = len(sources)
     pack(dst, sources, offsets, fresh=True)
-    room = np.diff(offsets + [dst.numel()])
-    by_room = sorted(range(N), key=lambda i: (-room[i], i))[:FIRST_TURN]
+    by_room = _by_room(offsets, dst.numel())[:FIRST_TURN]
     assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in by_room]
     assert sorted(s.numel() for s in made[0][0].sources) != sorted(s.numel() for s in sources)[-FIRST_TURN:]
-    rest = [i for i in range(N) if i not in set(by_room)]
+    rest = [i for i in range(n) if i not in set(by_room)]
     by_size = sorted(rest, key=lambda i: (-sources[i].numel(), i))
     assert [id(s) for p, _, _ in made[1:] for s in p.sources] == [id(sources[i]) for i in by_size]
     assert [len(p) for p, _, _ in made] == [FIRST_TURN] + [b - a for a, b in turns(len(rest), FIRST_TURN * 4)]
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
+
+
+def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refused(monkeypatch):
+    """An int64 array of offsets (a pack's own column type) packs as the same list does; a masked array is read as
+    its list (a masked value is None) and refused, naming the offset, before anything is written."""
+    sources, offsets, dst = _roomy_pack()
+    expected = torch.empty_like(dst)
+    pack(expected, sources, offsets)
+    for fresh in (False, True):
+        got = torch.full_like(dst, 7.0)
+        pack(got, sources, np.array(offsets, dtype=np.int64), fresh=fresh)
+        assert torch.equal(bits(got), bits(expected))
+        masked = np.ma.masked_array(np.array(offsets, dtype=np.int64), mask=[k == 5 for k in range(N)])
+        with pytest.raises(TypeError, match=r"offsets\[5\] must be an int, got NoneType"):
+            pack(got.fill_(7.0), sources, masked, fresh=fresh)
+        assert bool((got == 7.0).all())
 
 
 @pytest.mark.parametrize("case", ["offsets as numpy ints", "a source past its room", "an offset past dst",
@@ -203,30 +236,42 @@ def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
     assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in biggest[:len(made[0][0])]]
 
 
-@pytest.mark.parametrize("fault", ["dtype in the first turn", "dtype in a later turn", "overlap in a later turn"])
-def test_a_fault_in_a_pack_with_a_first_turn_by_room_is_the_one_plans(fault):
+@pytest.mark.parametrize("fault", ["dtype in the first turn", "too many dims, one in the first turn",
+                                   "dtype in a later turn", "overlap in a later turn"])
+def test_a_fault_in_a_pack_with_a_first_turn_by_room_is_the_one_plans(monkeypatch, fault):
     """The first turn's own pieces are checked in full before it is written: a fault there writes nothing. A fault
     that only the whole job shows is found after the first turn's writes (a fresh dst allows them); either way
-    the error is the one plan's, and no source changes."""
+    the error is the one plan's (the first culprit in the whole job, as its planning names it too), and no source
+    changes."""
     sources, offsets, dst = _roomy_pack()
     room = np.diff(offsets + [dst.numel()])
-    by_room = sorted(range(N), key=lambda i: (-room[i], i))
+    by_room = _by_room(offsets, dst.numel())
     first, late = by_room[0], by_room[-1]
     if fault == "dtype in the first turn":
         sources[first] = sources[first].double()
+    elif fault == "too many dims, one in the first turn":  # the kernels' limit, found when planning a source
+        sources = [torch.zeros(1, device=DEVICE) for _ in range(N)]
+        sources[0] = torch.zeros([3] * 9, device=DEVICE)[(slice(0, 2),) * 9]  # 512 elements in 9 unmergeable dims
+        sources[N // 2] = torch.zeros([3] * 10, device=DEVICE)[(slice(0, 2),) * 10]  # 10 dims: another message
+        rooms = [600] * N
+        rooms[0], rooms[N // 2] = 512, 1100  # the 10-dim one first by room, the 9-dim one first in the job
+        offsets = np.concatenate([[0], np.cumsum(rooms)[:-1]]).tolist()
+        dst = torch.empty(sum(rooms), device=DEVICE)
     elif fault == "dtype in a later turn":
         sources[late] = sources[late].double()
     else:  # a later source's destination reaches into its neighbour's
         sources[late] = torch.zeros(room[late] + 1, device=DEVICE)
     before = [bits(s).clone() for s in sources]
+    took = _first_turns_by_room(monkeypatch)
     errors = []
     for fresh in (False, True):
         with pytest.raises((TypeError, ValueError)) as caught:
             pack(dst.fill_(7.0), sources, offsets, fresh=fresh)
         errors.append((type(caught.value), str(caught.value)))
-        if fault == "dtype in the first turn" or not fresh:
-            assert bool((dst == 7.0).all())
+        written = not bool((dst == 7.0).all())
+        assert written is (fresh and "later turn" in fault)  # a later fault only shows after the first turn's writes
     assert errors[0] == errors[1]
+    assert len(took) == 1 and took[0] is not None, "the fresh pack did not take its first turn by room"
     assert all(torch.equal(bits(s), b) for s, b in zip(sources, before))
 
 
