@@ -42,8 +42,8 @@ import numpy as np
 
 import torch
 
-from .checks import as_zero_ranges, check_disjoint, check_dst, each_int64, within_index_limit
-from .pieces import PackPieces, Piece, known_disjoint, pack_pieces
+from .checks import as_zero_ranges, check_disjoint, check_dst, each_int64
+from .pieces import PackPieces, Piece, known_disjoint, offsets_column, pack_pieces
 from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
@@ -152,18 +152,18 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
     FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room.
     Their destinations are then disjoint, each inside its own room. None where the job goes as :func:`run_fresh`
-    alone: too few pieces or bytes for turns, room enough for a lead, offsets that are not plain ints, or a chosen
-    source that is not a tensor or does not fit (the whole job's checks then name it). Never raises for a bad
-    argument: that is for the checks that name it."""
+    alone: too few pieces or bytes for turns, room enough for a lead, offsets that are not integers in range, or a
+    chosen source that is not a tensor or does not fit (the whole job's checks then name it). Never raises for a
+    bad argument: that is for the checks that name it."""
     if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)):
         return None
     n = len(sources)
     if n <= MIN_PIECES or not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
-            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n or not set(map(type, offsets)) <= {int}:
+            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n:
         return None
     try:
-        begin = np.array(offsets, dtype=np.int64)
-    except OverflowError:
+        begin = offsets_column(offsets)
+    except (TypeError, ValueError):
         return None
     room = _room(begin, dst.numel())
     if room is None or int(room.max()) >= -(-LEAD_BYTES // dst.element_size()):
@@ -181,7 +181,7 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
 def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
     """Each offset's distance to the next one up (in order of offset, ties in index order; ``end`` after the last),
     or None for offsets out of ``[0, end]``."""
-    if not within_index_limit(begin) or bool((begin < 0).any()) or bool((begin > end).any()):
+    if bool((begin < 0).any()) or bool((begin > end).any()):
         return None
     order = None if bool((begin[1:] >= begin[:-1]).all()) else np.argsort(begin, kind="stable")
     placed = begin if order is None else begin[order]

@@ -201,17 +201,21 @@ def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refu
         assert bool((got == 7.0).all())
 
 
-@pytest.mark.parametrize("case", ["offsets as numpy ints", "a source past its room", "an offset past dst",
+@pytest.mark.parametrize("case", ["a bool offset", "a source past its room", "an offset past dst",
                                   "a room big enough to lead", "a window"])
 def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
-    """No first turn by room where the offsets are not plain ints in dst, a chosen source overflows its room, a
-    piece could lead, or there is a window: then the job is read whole first, as before, with the same bytes."""
+    """No first turn by room where an offset is not an integer in dst, a chosen source overflows its room, a
+    piece could lead, or there is a window: then the job is read whole first, as before, with the same bytes
+    (or the one plan's error, before any byte is written)."""
     made = planned_turns(monkeypatch)
     sources, offsets, dst = _roomy_pack()
     window = None
-    if case == "offsets as numpy ints":
-        offsets = [np.int64(o) for o in offsets]
-    elif case in ("a source past its room", "an offset past dst"):  # the whole job's checks name the fault
+    if case == "a bool offset":
+        with pytest.raises(TypeError, match=r"offsets\[0\] must be an int, got the bool False"):
+            pack(dst.fill_(7.0), sources, [False] + offsets[1:], fresh=True)
+        assert made == [] and bool((dst == 7.0).all())
+        return
+    if case in ("a source past its room", "an offset past dst"):  # the whole job's checks name the fault
         big = int(np.argmax(np.diff(offsets + [dst.numel()])))  # before any byte is written
         if case == "a source past its room":
             sources[big] = torch.zeros(offsets[big + 1] - offsets[big] + 1, device=DEVICE)
