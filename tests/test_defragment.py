@@ -210,6 +210,7 @@ def test_lp_param_buffer_key_on_matches_key_off_on_gloo(gloo_world):
 def test_defragment_frees_device_memory():
     """The allocator's numbers: after the pack only the flat buffer remains."""
     device = torch.device("cuda")
+    gc.collect()  # an earlier test's garbage freed now, not by the collection below (it would lower the count)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     buffers = [torch.randn(n, device=device, dtype=torch.bfloat16) for n in (1 << 20, 3 << 20, 5 << 19)]
