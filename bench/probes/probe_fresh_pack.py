@@ -32,6 +32,7 @@ def main() -> int:
     import ztriton.kernels  # the tree's, before bench's modules put this checkout first on the path
     from ztriton.kernels import bits, pack, pack_plan
 
+    sys.path.insert(0, str(ROOT))  # bench from this checkout (an older tree's may lack its cases); ztriton stays
     from bench.bench_kernels import deepspeed_flatten, group_layout, make_params, single_call_ms
     from bench.harness import gbps, time_ms, torch_copy_gbps
     from bench.models import llama_7b, llm_mix, log_uniform_mix
