@@ -185,7 +185,7 @@ def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(mo
     assert torch.equal(bits(dst), bits(expected))
 
 
-def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refused(monkeypatch):
+def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refused():
     """An int64 array of offsets (a pack's own column type) packs as the same list does; a masked array is read as
     its list (a masked value is None) and refused, naming the offset, before anything is written."""
     sources, offsets, dst = _roomy_pack()
