@@ -81,10 +81,9 @@ def turns(n: int, first: int | None = None, growth: int | None = None, last: int
         a, size = b, min(last, growth * size)
 
 
-def schedule(pieces: PackPieces, first: int | None = None) -> list[np.ndarray]:
-    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes (from a
-    first turn of ``first`` pieces, by default FIRST_TURN)."""
-    return [indices for indices, _ in _in_turns(pieces, first)]
+def schedule(pieces: PackPieces) -> list[np.ndarray]:
+    """The pieces' indices, turn by turn: biggest first (ties in index order), in :func:`turns`' sizes."""
+    return [indices for indices, _ in _in_turns(pieces)]
 
 
 def _in_turns(pieces: PackPieces, first: int | None = None) -> Iterator[tuple[np.ndarray, bool]]:
@@ -166,7 +165,7 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     except (TypeError, ValueError):
         return None
     room = _room(begin, dst.numel())
-    if room is None or int(room.max()) >= -(-LEAD_BYTES // dst.element_size()):
+    if room is None or int(room.max()) >= _lead_elements(dst):
         return None
     chosen = _biggest(room, FIRST_TURN)
     picked = [sources[i] for i in chosen.tolist()]
@@ -245,7 +244,12 @@ def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:
 
 def _big_enough(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
     """The indices of the pieces of at least ``LEAD_BYTES``, in index order."""
-    return np.flatnonzero(pieces.count >= -(-LEAD_BYTES // dst.element_size()))
+    return np.flatnonzero(pieces.count >= _lead_elements(dst))
+
+
+def _lead_elements(dst: torch.Tensor) -> int:
+    """``LEAD_BYTES`` in elements of dst, rounded up: the fewest a piece that leads has."""
+    return -(-LEAD_BYTES // dst.element_size())
 
 
 def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
