@@ -64,6 +64,16 @@ class PackPieces(Sequence):
                           self.offset[indices], self.numel[indices], self.gaps if distinct else None)
 
 
+    def after(self, indices: np.ndarray, copied: np.ndarray) -> "PackPieces":
+        """These pieces less the first ``copied`` elements of those at ``indices`` (copied already; no index twice):
+        the same sources, each range what is left of its piece's, so still disjoint (``gaps`` kept)."""
+        start, count, offset = self.start.copy(), self.count.copy(), self.offset.copy()
+        start[indices] += copied
+        count[indices] -= copied
+        offset[indices] += copied
+        return PackPieces(self.sources, start, count, offset, self.numel, self.gaps)
+
+
 def known_disjoint(pieces: Sequence[Piece], zeros: np.ndarray) -> bool:
     """Whether ``pieces`` and ``zeros`` are known not to overlap in dst (:class:`PackPieces`' ``gaps``): the
     pieces checked pairwise disjoint by their builder, and no zero ranges or the builder's own (the same array)."""

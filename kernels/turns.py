@@ -21,7 +21,9 @@ host's check of the next.
 A pack (no window) starts one step sooner (:func:`pack_fresh`): where no offset has room for a piece that could
 lead, its first turn is chosen from the offsets alone, the sources with the most room before the next offset, and
 copied before the whole job's pieces are built (a ``numel`` per source) and its destinations checked: those then
-overlap the device's copy of the biggest pieces. The first turn's own pieces are checked in full before it is
+overlap the device's copy of the biggest pieces. That turn copies each of its pieces' whole 16-byte words only, one
+launch of one word class where the addresses allow; the tails (under 16 bytes each, which would add a launch per
+word class) go with the rest of the job. The first turn's own pieces are checked in full before it is
 written, so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping) is then found
 after the first turn's writes, which a fresh dst allows, and raised as one plan raises it.
 
@@ -137,20 +139,21 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
     if first is None:
         run_fresh(dst, *pack_pieces(dst, sources, offsets, window))
         return
-    begin, chosen, pieces = first
+    begin, chosen, bodies = first
     try:
-        make_plan(dst, pieces, (), KERNELS_ONLY, run_now=True).launch()
+        make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
     except (TypeError, ValueError):
         _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
         raise
-    run_fresh(dst, *pack_pieces(dst, sources, begin), done=chosen)
+    run_fresh(dst, *pack_pieces(dst, sources, begin), done=(chosen, bodies.count))
 
 
 def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
                         ) -> tuple[np.ndarray, np.ndarray, PackPieces] | None:
     """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
-    FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room.
-    Their destinations are then disjoint, each inside its own room. None where the job goes as :func:`run_fresh`
+    FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room,
+    each piece its source's whole 16-byte words (:func:`_whole_words`). Their destinations are then disjoint, each
+    inside its own room (so the plan need not check it again). None where the job goes as :func:`run_fresh`
     alone: too few pieces or bytes for turns, room enough for a lead, offsets that are not integers in range, or a
     chosen source that is not a tensor or does not fit (the whole job's checks then name it). Never raises for a
     bad argument: that is for the checks that name it."""
@@ -174,7 +177,14 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     count = each_int64("numel", picked)
     if bool((count > room[chosen]).any()):
         return None
-    return begin, chosen, PackPieces(picked, np.zeros_like(count), count, begin[chosen], count)
+    return begin, chosen, PackPieces(picked, np.zeros_like(count), _whole_words(count, dst.element_size()),
+                                     begin[chosen], count, gaps=np.zeros((0, 2), dtype=np.int64))
+
+
+def _whole_words(count: np.ndarray, itemsize: int) -> np.ndarray:
+    """Each count rounded down to whole 16-byte words of ``itemsize``-byte elements."""
+    per_word = max(1, 16 // itemsize)
+    return count - count % per_word
 
 
 def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
@@ -193,14 +203,15 @@ def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
 
 
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              what: str = "sources", done: np.ndarray | None = None) -> None:
+              what: str = "sources", done: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
     of the result (drop it). The sources are only read, as dst's contract requires: a source lying inside dst (which
     a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
-    copies wrote over it. ``done``: the indices of pieces already copied (:func:`pack_fresh`'s first turn), checked
-    with the whole job, not copied again; the turns then go on from the second turn's size."""
+    copies wrote over it. ``done``: ``(indices, copied)``, how many of their first elements those pieces had copied
+    already (:func:`pack_fresh`'s first turn): checked with the whole job, only the rest of each copied; the turns
+    then go on from the second turn's size."""
     if done is None and (not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or
                                                                      worth_turns(dst, pieces))):
         run_plan(dst, pieces, zero_ranges, what=what)
@@ -213,14 +224,17 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             _check_destinations(dst, pieces, zeros, what)
     # In the job's order. A mask, not np.setdiff1d: its first call imports numpy.ma, slow in a fresh process.
     left = np.ones(len(pieces), dtype=bool)
+    todo = pieces
     if done is not None:
-        left[done] = False
-    first = lead(dst, pieces)
+        indices, copied = done
+        todo = pieces.after(indices, copied)
+        left[indices[todo.count[indices] == 0]] = False
+    first = lead(dst, todo)
     first = first[left[first]]
     if len(first):
-        _copy_lead(dst, pieces, first)
+        _copy_lead(dst, todo, first)
         left[first] = False
-    rest = pieces if bool(left.all()) else pieces.take(np.flatnonzero(left), distinct=True)
+    rest = todo if bool(left.all()) else todo.take(np.flatnonzero(left), distinct=True)
     if not worth_turns(dst, rest):
         if len(rest) or len(zeros):
             with _errors_as_one_plan(dst, pieces, zeros, what):

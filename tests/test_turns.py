@@ -16,7 +16,7 @@ from ztriton.kernels import plan as plan_module
 from ztriton.kernels import torch_route
 from ztriton.kernels import turns as turns_module
 from ztriton.kernels.pieces import PackPieces, pack_pieces, slices_to_pieces
-from ztriton.kernels.turns import FIRST_TURN, MIN_PIECES, schedule, turns
+from ztriton.kernels.turns import FIRST_TURN, GROWTH, MIN_PIECES, schedule, turns
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = MIN_PIECES + 3 * FIRST_TURN + 5  # enough pieces for turns, and more than one turn after the first
@@ -112,9 +112,28 @@ def test_fresh_pack_slices_is_pack_slices(route):
     assert torch.equal(bits(got), bits(expected))
 
 
+def _first_turn_then_rest(sources: list, first: list[int], itemsize: int) -> list[list[tuple[int, int, int]]]:
+    """What a fresh pack with a first turn by room copies, turn by turn, as (source index, start, count): the sources
+    ``first`` (in that order), each its whole 16-byte words; then every other source and each tail those words
+    left, biggest first (ties in the job's order), in turns from the second turn's size."""
+    per_word = 16 // itemsize
+    bodies = {i: sources[i].numel() - sources[i].numel() % per_word for i in first}
+    rest = [(i, bodies.get(i, 0), sources[i].numel() - bodies.get(i, 0)) for i in range(len(sources))
+            if bodies.get(i, -1) != sources[i].numel()]
+    rest.sort(key=lambda r: (-r[2], r[0]))
+    return [[(i, 0, bodies[i]) for i in first]] + [rest[a:b] for a, b in turns(len(rest), FIRST_TURN * GROWTH)]
+
+
+def _copied(made: list, sources: list) -> list[list[tuple[int, int, int]]]:
+    """Each recorded turn's pieces as (source index, start, count)."""
+    index = {id(s): i for i, s in enumerate(sources)}
+    return [[(index[id(s)], int(p.start[k]), int(p.count[k])) for k, s in enumerate(p.sources)] for p, _, _ in made]
+
+
 def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     """The copy really goes in turns (:func:`turns`' sizes): the biggest first (the device gets the most to copy
-    while the host checks the rest), every zero range in the last turn."""
+    while the host checks the rest; the first turn only their whole 16-byte words, one launch of one word class,
+    their tails with the rest), every zero range in the last turn."""
     made = planned_turns(monkeypatch)
     sources = sources_of(N, torch.float32, seed=1)
     offsets, at = [], 0
@@ -123,14 +142,34 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
         at += 1 + s.numel()
     dst = torch.empty(at + 1, device=DEVICE)
     pack(dst, sources, offsets, fresh=True)
-    assert [len(p) for p, _, _ in made] == [b - a for a, b in turns(N)] and len(made) > 2
-    counts = [p.count for p, _, _ in made]
-    assert all(a.min() >= b.max() for a, b in zip(counts, counts[1:])), "a smaller piece went before a bigger one"
+    biggest = [int(i) for i in schedule(pack_pieces(dst, sources, offsets)[0])[0]]
+    assert _copied(made, sources) == _first_turn_then_rest(sources, biggest, 4) and len(made) > 2
+    assert any(sources[i].numel() % 4 for i in biggest), "no tail left to a later turn"
     assert all(len(z) == 0 for _, z, _ in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each, one after
-    assert sorted(i for p, _, _ in made for i in map(id, p.sources)) == sorted(map(id, sources))
-    each_turn = schedule(pack_pieces(dst, sources, offsets)[0])  # the first turn picked without a full sort: same
-    assert [list(map(id, p.sources)) for p, _, _ in made] == [[id(sources[i]) for i in t] for t in each_turn]
     assert all(plan.launches for _, _, plan in made)  # kernel turns, the last too (however few its pieces)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected))
+
+
+def test_an_aligned_packs_first_turn_is_one_launch(monkeypatch):
+    """Sources and offsets on 16-byte boundaries (a flatten's usual job): the first turn's whole words are one
+    word class, one launch; the other turns carry the tails' classes too."""
+    made = planned_turns(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    sources = [random_bits((int(torch.randint(1, 20, (), generator=g)),), torch.float32, g).to(DEVICE)
+               for _ in range(N)]
+    offsets, at = [], 0
+    for s in sources:
+        offsets.append(at)
+        at += s.numel() + (-s.numel()) % 4 + 4 * int(torch.randint(0, 3, (), generator=g))
+    dst = torch.empty(at, device=DEVICE)
+    assert dst.data_ptr() % 16 == 0 and all(s.data_ptr() % 16 == 0 for s in sources)
+    pack(dst, sources, offsets, fresh=True)
+    assert len(made[0][2].launches) == 1 and max(len(plan.launches) for _, _, plan in made[1:]) > 1
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected))
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
@@ -174,12 +213,8 @@ def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(mo
     n = len(sources)
     pack(dst, sources, offsets, fresh=True)
     by_room = _by_room(offsets, dst.numel())[:FIRST_TURN]
-    assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in by_room]
+    assert _copied(made, sources) == _first_turn_then_rest(sources, by_room, 4)
     assert sorted(s.numel() for s in made[0][0].sources) != sorted(s.numel() for s in sources)[-FIRST_TURN:]
-    rest = [i for i in range(n) if i not in set(by_room)]
-    by_size = sorted(rest, key=lambda i: (-sources[i].numel(), i))
-    assert [id(s) for p, _, _ in made[1:] for s in p.sources] == [id(sources[i]) for i in by_size]
-    assert [len(p) for p, _, _ in made] == [FIRST_TURN] + [b - a for a, b in turns(len(rest), FIRST_TURN * 4)]
     expected = torch.empty_like(dst)
     torch_pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
