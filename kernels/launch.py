@@ -43,7 +43,7 @@ class Plan:
         """Run the plan on the current stream of dst's device (CPU: under the interpreter)."""
         if self.stream is None:  # CPU, under the interpreter
             with self._interpreter_lock():
-                self._launch_all()
+                self._launch_all(None)
             return
         device = self.stream.device
         with torch.cuda.device(device) if torch.cuda.current_device() != device.index else nullcontext():
@@ -55,7 +55,7 @@ class Plan:
                 for table in self.tables:
                     table.record_stream(current)
             with self._interpreter_lock():
-                self._launch_all()
+                self._launch_all(current)
 
     def _interpreter_lock(self):
         """The interpreter's lock for a plan that launches kernels under it; the torch copies' lock otherwise."""
@@ -77,15 +77,15 @@ class Plan:
         elif self.fills:
             torch._foreach_zero_(self.fills)
 
-    def _launch_all(self) -> None:
+    def _launch_all(self, stream) -> None:
+        """Everything the plan does, on ``stream`` (the current one of dst's device; None on the CPU)."""
         if self.torch_copies:
             # Views made in inference mode may be written only inside it (entering it costs more than a small
             # partition's copy); the others without autograd, as the kernels write.
             with torch.inference_mode() if self.inference else torch.no_grad():
                 self.copy_with_torch()
-        if self.launches and self.stream is not None:
-            state.await_warm_up(self.stream.device)
-        stream = None if self.stream is None else torch.cuda.current_stream(self.stream.device)
+        if self.launches and stream is not None:
+            state.await_warm_up(stream.device)
         for kernel, grid, args, meta in self.launches:
             compiled.launch(kernel, grid, args, meta, stream)
 

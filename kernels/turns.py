@@ -24,8 +24,9 @@ copied before the whole job's pieces are built (a ``numel`` per source) and its 
 overlap the device's copy of the biggest pieces. That turn copies each of its pieces' whole 16-byte words only, one
 launch of one word class where the addresses allow; the tails (under 16 bytes each, which would add a launch per
 word class) go with the rest of the job. The first turn's own pieces are checked in full before it is
-written, so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping) is then found
-after the first turn's writes, which a fresh dst allows, and raised as one plan raises it.
+written, so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping, another offset
+that is not an int) is then found after the first turn's writes, which a fresh dst allows, and raised as one plan
+raises it.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
 dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from .checks import as_zero_ranges, check_disjoint, check_dst, each_int64
-from .pieces import PackPieces, Piece, known_disjoint, offsets_column, pack_pieces
+from .pieces import PackPieces, Piece, known_disjoint, pack_pieces
 from .plan import check_launchable, make_plan, run_plan
 from .state import torch_copies_lock
 from .torch_route import flat_bytes
@@ -145,7 +146,10 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
     except (TypeError, ValueError):
         _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
         raise
-    run_fresh(dst, *pack_pieces(dst, sources, begin), done=(chosen, bodies.count))
+    # The other offsets' types, checked while the device copies: anything but ints, and pack_pieces converts
+    # them again and names a bad one (its error, as one plan's).
+    column = begin if set(map(type, offsets)) <= {int} else offsets
+    run_fresh(dst, *pack_pieces(dst, sources, column), done=(chosen, bodies.count))
 
 
 def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
@@ -153,26 +157,28 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
     FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room,
     each piece its source's whole 16-byte words (:func:`_whole_words`). Their destinations are then disjoint, each
-    inside its own room (so the plan need not check it again). None where the job goes as :func:`run_fresh`
-    alone: too few pieces or bytes for turns, room enough for a lead, offsets that are not integers in range, or a
-    chosen source that is not a tensor or does not fit (the whole job's checks then name it). Never raises for a
-    bad argument: that is for the checks that name it."""
+    inside its own room (so the plan need not check it again). Only the chosen offsets' types are checked here
+    (ints; the others' after the first launch, :func:`pack_fresh`). None where the job goes as :func:`run_fresh`
+    alone: too few pieces or bytes for turns, room enough for a lead, offsets out of range, a chosen offset that
+    is not an int, or a chosen source that is not a tensor or does not fit (the whole job's checks then name it).
+    Never raises for a bad argument: that is for the checks that name it."""
     if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)):
         return None
     n = len(sources)
     if n <= MIN_PIECES or not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
             dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n:
         return None
-    try:
-        begin = offsets_column(offsets)
-    except (TypeError, ValueError):
+    try:  # any value int() takes: a float or a bool here is found by the type checks
+        begin = np.fromiter(offsets, dtype=np.int64, count=n)
+    except (TypeError, ValueError, OverflowError):
         return None
     room = _room(begin, dst.numel())
     if room is None or int(room.max()) >= _lead_elements(dst):
         return None
     chosen = _biggest(room, FIRST_TURN)
-    picked = [sources[i] for i in chosen.tolist()]
-    if not all(isinstance(src, torch.Tensor) for src in picked):
+    at = chosen.tolist()
+    picked = [sources[i] for i in at]
+    if not all(type(offsets[i]) is int for i in at) or not all(isinstance(src, torch.Tensor) for src in picked):
         return None
     count = each_int64("numel", picked)
     if bool((count > room[chosen]).any()):
@@ -190,15 +196,16 @@ def _whole_words(count: np.ndarray, itemsize: int) -> np.ndarray:
 def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
     """Each offset's distance to the next one up (in order of offset, ties in index order; ``end`` after the last),
     or None for offsets out of ``[0, end]``."""
+    gaps = np.empty_like(begin)
+    np.subtract(begin[1:], begin[:-1], out=gaps[:-1])
+    gaps[-1] = end - begin[-1]
+    if int(gaps.min()) >= 0 and int(begin[0]) >= 0:  # in order (a flatten's layout) and inside [0, end]
+        return gaps
     if bool((begin < 0).any()) or bool((begin > end).any()):
         return None
-    order = None if bool((begin[1:] >= begin[:-1]).all()) else np.argsort(begin, kind="stable")
-    placed = begin if order is None else begin[order]
-    gaps = np.diff(placed, append=end)
-    if order is None:
-        return gaps
-    room = np.empty_like(gaps)
-    room[order] = gaps
+    order = np.argsort(begin, kind="stable")
+    room = np.empty_like(begin)
+    room[order] = np.diff(begin[order], append=end)
     return room
 
 

@@ -220,6 +220,18 @@ def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(mo
     assert torch.equal(bits(dst), bits(expected))
 
 
+def test_numpy_integers_among_the_offsets_pack_as_ints_do(monkeypatch):
+    """A numpy integer among a list's offsets is an int to a pack: outside the first turn by room (whose own offsets
+    must be ints), the same bytes as with ints, the first turn still by room."""
+    sources, offsets, dst = _roomy_pack()
+    late = _by_room(offsets, dst.numel())[-1]
+    took = _first_turns_by_room(monkeypatch)
+    pack(dst, sources, offsets[:late] + [np.int64(offsets[late])] + offsets[late + 1:], fresh=True)
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets)
+    assert torch.equal(bits(dst), bits(expected)) and len(took) == 1 and took[0] is not None
+
+
 def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refused():
     """An int64 array of offsets (a pack's own column type) packs as the same list does; a masked array is read as
     its list (a masked value is None) and refused, naming the offset, before anything is written."""
@@ -236,19 +248,21 @@ def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refu
         assert bool((got == 7.0).all())
 
 
-@pytest.mark.parametrize("case", ["a bool offset", "a source past its room", "an offset past dst",
+@pytest.mark.parametrize("case", ["a float offset", "a source past its room", "an offset past dst",
                                   "a room big enough to lead", "a window"])
 def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
-    """No first turn by room where an offset is not an integer in dst, a chosen source overflows its room, a
-    piece could lead, or there is a window: then the job is read whole first, as before, with the same bytes
-    (or the one plan's error, before any byte is written)."""
+    """No first turn by room where a chosen offset is not an int, an offset is outside dst, a chosen source
+    overflows its room, a piece could lead, or there is a window: then the job is read whole first, as before,
+    with the same bytes (or the one plan's error, before any byte is written)."""
     made = planned_turns(monkeypatch)
     sources, offsets, dst = _roomy_pack()
     window = None
-    if case == "a bool offset":
-        with pytest.raises(TypeError, match=r"offsets\[0\] must be an int, got the bool False"):
-            pack(dst.fill_(7.0), sources, [False] + offsets[1:], fresh=True)
-        assert made == [] and bool((dst == 7.0).all())
+    if case == "a float offset":  # one the first turn would take (its value kept): none by room, nothing written
+        took = _first_turns_by_room(monkeypatch)
+        at = _by_room(offsets, dst.numel())[0]
+        with pytest.raises(TypeError, match=rf"offsets\[{at}\] must be an int, got float"):
+            pack(dst.fill_(7.0), sources, offsets[:at] + [float(offsets[at])] + offsets[at + 1:], fresh=True)
+        assert took == [None] and made == [] and bool((dst == 7.0).all())
         return
     if case in ("a source past its room", "an offset past dst"):  # the whole job's checks name the fault
         big = int(np.argmax(np.diff(offsets + [dst.numel()])))  # before any byte is written
@@ -276,7 +290,8 @@ def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
 
 
 @pytest.mark.parametrize("fault", ["dtype in the first turn", "too many dims, one in the first turn",
-                                   "dtype in a later turn", "overlap in a later turn"])
+                                   "dtype in a later turn", "overlap in a later turn", "bool offset in a later turn",
+                                   "float offset in a later turn"])
 def test_a_fault_in_a_pack_with_a_first_turn_by_room_is_the_one_plans(monkeypatch, fault):
     """The first turn's own pieces are checked in full before it is written: a fault there writes nothing. A fault
     that only the whole job shows is found after the first turn's writes (a fresh dst allows them); either way
@@ -298,8 +313,11 @@ def test_a_fault_in_a_pack_with_a_first_turn_by_room_is_the_one_plans(monkeypatc
         dst = torch.empty(sum(rooms), device=DEVICE)
     elif fault == "dtype in a later turn":
         sources[late] = sources[late].double()
-    else:  # a later source's destination reaches into its neighbour's
+    elif fault == "overlap in a later turn":  # a later source's destination reaches into its neighbour's
         sources[late] = torch.zeros(room[late] + 1, device=DEVICE)
+    else:  # an offset the first turn does not take, of a type only the whole job's checks look at
+        offsets = list(offsets)
+        offsets[late] = (bool if fault.startswith("bool") else float)(offsets[late])
     before = [bits(s).clone() for s in sources]
     took = _first_turns_by_room(monkeypatch)
     errors = []
