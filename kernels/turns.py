@@ -156,8 +156,8 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
                         ) -> tuple[np.ndarray, np.ndarray, PackPieces] | None:
     """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
     FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room,
-    each piece its source's whole 16-byte words (:func:`_whole_words`). Their destinations are then disjoint, each
-    inside its own room (so the plan need not check it again). Only the chosen offsets' types are checked here
+    each piece its source's whole 16-byte words (:func:`_whole_words`; a source of less than one word left out).
+    Their destinations are then disjoint, each inside its own room (so the plan need not check it again). Only the chosen offsets' types are checked here
     (ints; the others' after the first launch, :func:`pack_fresh`). None where the job goes as :func:`run_fresh`
     alone: too few pieces or bytes for turns, room enough for a lead, offsets out of range, a chosen offset that
     is not an int, or a chosen source that is not a tensor or does not fit (the whole job's checks then name it).
@@ -170,7 +170,7 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
         return None
     try:  # any value int() takes: a float or a bool here is found by the type checks
         begin = np.fromiter(offsets, dtype=np.int64, count=n)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # noqa: BLE001 (whatever a value's int() raises: the checks that follow name the value)
         return None
     room = _room(begin, dst.numel())
     if room is None or int(room.max()) >= _lead_elements(dst):
@@ -183,8 +183,17 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     count = each_int64("numel", picked)
     if bool((count > room[chosen]).any()):
         return None
-    return begin, chosen, PackPieces(picked, np.zeros_like(count), _whole_words(count, dst.element_size()),
-                                     begin[chosen], count, gaps=np.zeros((0, 2), dtype=np.int64))
+    body = _whole_words(count, dst.element_size())
+    # A source of less than one word goes with the rest: as an empty piece here, its memory would not be checked
+    # against dst's before this turn writes.
+    keep = body > 0
+    if not bool(keep.all()):
+        chosen, count, body = chosen[keep], count[keep], body[keep]
+        picked = [src for src, kept in zip(picked, keep.tolist()) if kept]
+    if not len(chosen):
+        return None
+    return begin, chosen, PackPieces(picked, np.zeros_like(count), body, begin[chosen], count,
+                                     gaps=np.zeros((0, 2), dtype=np.int64))
 
 
 def _whole_words(count: np.ndarray, itemsize: int) -> np.ndarray:
@@ -196,13 +205,13 @@ def _whole_words(count: np.ndarray, itemsize: int) -> np.ndarray:
 def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
     """Each offset's distance to the next one up (in order of offset, ties in index order; ``end`` after the last),
     or None for offsets out of ``[0, end]``."""
-    gaps = np.empty_like(begin)
+    if int(begin.min()) < 0 or int(begin.max()) > end:
+        return None
+    gaps = np.empty_like(begin)  # inside [0, end]: no difference wraps
     np.subtract(begin[1:], begin[:-1], out=gaps[:-1])
     gaps[-1] = end - begin[-1]
-    if int(gaps.min()) >= 0 and int(begin[0]) >= 0:  # in order (a flatten's layout) and inside [0, end]
+    if int(gaps.min()) >= 0:  # in order already (a flatten's layout)
         return gaps
-    if bool((begin < 0).any()) or bool((begin > end).any()):
-        return None
     order = np.argsort(begin, kind="stable")
     room = np.empty_like(begin)
     room[order] = np.diff(begin[order], append=end)

@@ -41,6 +41,7 @@ def main() -> int:
     from ztriton.kernels import tables as tables_module
     from ztriton.kernels import turns as turns_module
 
+    assert Path(ztriton.kernels.__file__).resolve().is_relative_to(args.tree.resolve()), ztriton.kernels.__file__
     sys.path.insert(0, str(ROOT))
     from bench.bench_kernels import group_layout, make_params
     from bench.models import log_uniform_mix
