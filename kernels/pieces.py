@@ -63,7 +63,6 @@ class PackPieces(Sequence):
         return PackPieces([sources[i] for i in indices.tolist()], self.start[indices], self.count[indices],
                           self.offset[indices], self.numel[indices], self.gaps if distinct else None)
 
-
     def after(self, indices: np.ndarray, copied: np.ndarray) -> "PackPieces":
         """These pieces less the first ``copied`` elements of those at ``indices`` (copied already; no index twice):
         the same sources, each range what is left of its piece's, so still disjoint (``gaps`` kept)."""

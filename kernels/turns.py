@@ -157,11 +157,12 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
     FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room,
     each piece its source's whole 16-byte words (:func:`_whole_words`; a source of less than one word left out).
-    Their destinations are then disjoint, each inside its own room (so the plan need not check it again). Only the chosen offsets' types are checked here
-    (ints; the others' after the first launch, :func:`pack_fresh`). None where the job goes as :func:`run_fresh`
-    alone: too few pieces or bytes for turns, room enough for a lead, offsets out of range, a chosen offset that
-    is not an int, or a chosen source that is not a tensor or does not fit (the whole job's checks then name it).
-    Never raises for a bad argument: that is for the checks that name it."""
+    Their destinations are then disjoint, each inside its own room (so the plan need not check it again). Only
+    the chosen offsets' types are checked here (ints; the others' after the first launch, :func:`pack_fresh`).
+    None where the job goes as :func:`run_fresh` alone: too few pieces or bytes for turns, room enough for a lead,
+    offsets out of range, a chosen offset that is not an int, or a chosen source that is not a tensor or does not
+    fit (the whole job's checks then name it). Never raises for a bad argument: that is for the checks that name
+    it."""
     if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)):
         return None
     n = len(sources)
