@@ -41,6 +41,13 @@ def planned_turns(monkeypatch) -> list:
     return made
 
 
+def is_the_pack(dst: torch.Tensor, sources: list, offsets, window=None) -> bool:
+    """Whether ``dst`` holds, bit for bit, what the torch reference packs of ``sources`` at ``offsets``."""
+    expected = torch.empty_like(dst)
+    torch_pack(expected, sources, offsets, window)
+    return torch.equal(bits(dst), bits(expected))
+
+
 @given(n=st.integers(0, 3000), first=st.integers(1, 100), growth=st.integers(1, 4), last=st.integers(1, 700))
 @settings(max_examples=60, deadline=None)
 def test_turns_cover_every_index_once_in_order(n, first, growth, last):
@@ -148,9 +155,7 @@ def test_the_biggest_pieces_go_first_and_the_zero_ranges_last(monkeypatch):
     assert any(sources[i].numel() % 4 for i in biggest), "no tail left to a later turn"
     assert all(len(z) == 0 for _, z, _ in made[:-1]) and len(made[-1][1]) == N + 1  # a pad before each, one after
     assert all(plan.launches for _, _, plan in made)  # kernel turns, the last too (however few its pieces)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, offsets)
 
 
 def test_an_aligned_packs_first_turn_is_one_launch(monkeypatch):
@@ -168,9 +173,7 @@ def test_an_aligned_packs_first_turn_is_one_launch(monkeypatch):
     assert dst.data_ptr() % 16 == 0 and all(s.data_ptr() % 16 == 0 for s in sources)
     pack(dst, sources, offsets, fresh=True)
     assert len(made[0][2].launches) == 1 and max(len(plan.launches) for _, _, plan in made[1:]) > 1
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, offsets)
 
 
 def _roomy_pack(n: int = N, seed: int = 17, shuffled: bool = False):
@@ -213,9 +216,7 @@ def test_a_packs_first_turn_is_chosen_by_room_and_the_rest_goes_biggest_first(mo
     by_room = _by_room(offsets, dst.numel())[:FIRST_TURN]
     assert _copied(made, sources) == _first_turn_then_rest(sources, by_room, 4)
     assert sorted(s.numel() for s in made[0][0].sources) != sorted(s.numel() for s in sources)[-FIRST_TURN:]
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, offsets)
 
 
 def test_a_source_under_one_word_inside_dst_is_refused_before_the_first_turn_writes(monkeypatch):
@@ -261,9 +262,7 @@ def test_a_complex_packs_first_turn_by_room_is_the_pack(monkeypatch):
     dst = torch.empty(dst.numel(), dtype=torch.complex128, device=DEVICE)
     took = _first_turns_by_room(monkeypatch)
     pack(dst, sources, offsets, fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected)) and took[0] is not None
+    assert is_the_pack(dst, sources, offsets) and took[0] is not None
     assert bool((took[0][2].count == took[0][2].numel).all())
 
 
@@ -274,9 +273,7 @@ def test_numpy_integers_among_the_offsets_pack_as_ints_do(monkeypatch):
     late = _by_room(offsets, dst.numel())[-1]
     took = _first_turns_by_room(monkeypatch)
     pack(dst, sources, offsets[:late] + [np.int64(offsets[late])] + offsets[late + 1:], fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected)) and len(took) == 1 and took[0] is not None
+    assert is_the_pack(dst, sources, offsets) and len(took) == 1 and took[0] is not None
 
 
 def test_offsets_as_a_numpy_array_pack_as_a_list_does_and_a_masked_array_is_refused():
@@ -329,9 +326,7 @@ def test_a_pack_without_a_first_turn_by_room(monkeypatch, case):
         window = (5, dst.numel())
         dst = dst[5:]
     pack(dst, sources, offsets, window, fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, offsets, window)
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, offsets, window)
     biggest = sorted(range(len(sources)), key=lambda i: (-sources[i].numel(), i))
     assert [id(s) for s in made[0][0].sources] == [id(sources[i]) for i in biggest[:len(made[0][0])]]
 
@@ -720,9 +715,7 @@ def test_only_lead_pieces_and_zero_ranges(monkeypatch):
     sources = _sized_sources([5, 9], seed=8)
     dst = torch.full((20,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     pack(dst, sources, [2, 9], fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, [2, 9])
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, [2, 9])
 
 
 @pytest.mark.parametrize("mode", ["dst made in inference mode", "called in inference mode"])
@@ -737,9 +730,7 @@ def test_lead_copies_in_and_out_of_inference_mode(monkeypatch, mode):
         dst = torch.empty(20, dtype=torch.bfloat16, device=DEVICE)
         with torch.inference_mode():
             pack(dst, sources, [0, 6, 16], fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, [0, 6, 16])
-    assert torch.equal(bits(dst), bits(expected))
+    assert is_the_pack(dst, sources, [0, 6, 16])
 
 
 @given(counts=st.lists(st.integers(0, 24), min_size=1, max_size=40), lead_bytes=st.integers(1, 60),
@@ -802,9 +793,7 @@ def test_a_one_element_source_with_any_stride_leads(monkeypatch):
     sources = [odd, torch.arange(5, dtype=torch.bfloat16, device=DEVICE)]
     dst = torch.full((8,), -1.0, dtype=torch.bfloat16, device=DEVICE)
     pack(dst, sources, [0, 2], fresh=True)
-    expected = torch.empty_like(dst)
-    torch_pack(expected, sources, [0, 2])
-    assert torch.equal(bits(dst), bits(expected)) and sorted(led[0]) == [0, 1]
+    assert is_the_pack(dst, sources, [0, 2]) and sorted(led[0]) == [0, 1]
 
 
 def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whole_job(monkeypatch):
