@@ -18,20 +18,20 @@ Turns pay only where the device has something to overlap: on the kernels' route 
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
 host's check of the next.
 
-A pack (no window) starts one step sooner (:func:`pack_fresh`): where no offset has room for a piece that could
-lead, its first turn is chosen from the offsets alone, the sources with the most room before the next offset, and
-copied before the whole job's pieces are built (a ``numel`` per source) and its destinations checked: those then
-overlap the device's copy of the biggest pieces. That turn copies each of its pieces' whole 16-byte words only, one
-launch of one word class where the addresses allow; the tails (under 16 bytes each, which would add a launch per
-word class) go with the rest of the job. The first turn's own pieces are checked in full before it is
-written, so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping, another offset
-that is not an int) is then found after the first turn's writes, which a fresh dst allows, and raised as one plan
-raises it.
+A pack (no window) starts one step sooner (:func:`pack_fresh`): what it copies first is chosen from the offsets
+alone and copied before the whole job's pieces are built (a ``numel`` per source) and its destinations checked:
+those then overlap the device's copy. Where some offset has room for a piece that could lead, that is the lead,
+among the sources with such room; else a first turn, the sources with the most room before the next offset. That
+turn copies each of its pieces' whole 16-byte words only, one launch of one word class where the addresses allow;
+the tails (under 16 bytes each, which would add a launch per word class) go with the rest of the job. The first
+turn's own pieces are checked in full before it is written (the lead's: the lead's checks), so nothing is ever
+written outside dst; a fault elsewhere (two destinations overlapping, another offset that is not an int) is then
+found after those writes, which a fresh dst allows, and raised as one plan raises it.
 
-Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's
-dtype and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first,
-right after the whole-job checks: one ``copy_`` of its bytes each (a memcpy), so the device starts at once on
-the biggest pieces (a model's embeddings, fused experts) while the host plans the rest. Only pieces of
+Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's dtype
+and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first, right after
+the whole-job checks (a pack's before them, above): one ``copy_`` of its bytes each (a memcpy), so the device starts
+at once on the biggest pieces (a model's embeddings, fused experts) while the host plans the rest. Only pieces of
 ``LEAD_BYTES`` or more lead. A piece that fails a lead check is left to the plan, whose checks name it.
 
 The measurements behind the constants below: ``bench/NOTES.md``, "Kernels: why the tuning is what it is".
@@ -134,49 +134,55 @@ def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
 def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
                window: tuple[int, int] | None = None) -> None:
     """:func:`~ztriton.kernels.ops.pack` into a ``dst`` just allocated for it: :func:`run_fresh` of the pack's
-    pieces, after its first turn chosen from the offsets where the job allows (module docstring). The same bytes
-    and, for a bad argument, the same error as one plan."""
-    first = _first_turn_by_room(dst, sources, offsets) if window is None else None
+    pieces, after its lead or its first turn chosen from the offsets where the job allows (module docstring). The
+    same bytes and, for a bad argument, the same error as one plan."""
+    first = _first_by_room(dst, sources, offsets) if window is None else None
     if first is None:
         run_fresh(dst, *pack_pieces(dst, sources, offsets, window))
         return
-    begin, chosen, bodies = first
+    begin, chosen, bodies, led = first
     try:
-        make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
+        if led:  # the checks of dst that a plan makes before it writes
+            check_dst(dst)
+            check_launchable(dst)
+            _copy_lead(dst, bodies, np.arange(len(bodies)))
+        else:
+            make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
     except (TypeError, ValueError):
         _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
         raise
     # The other offsets' types, checked while the device copies: anything but ints, and pack_pieces converts
     # them again and names a bad one (its error, as one plan's).
     column = begin if set(map(type, offsets)) <= {int} else offsets
-    run_fresh(dst, *pack_pieces(dst, sources, column), done=(chosen, bodies.count))
+    run_fresh(dst, *pack_pieces(dst, sources, column), done=(chosen, bodies.count),
+              first_turn=None if led else FIRST_TURN * GROWTH)
 
 
-def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
-                        ) -> tuple[np.ndarray, np.ndarray, PackPieces] | None:
-    """The offsets as an int64 column, and the indices and pieces of a pack's first turn chosen from them: the
-    FIRST_TURN sources with the most room before the next offset (dst's end for the last), each fitting its room,
-    each piece its source's whole 16-byte words (:func:`_whole_words`; a source of less than one word left out).
-    Their destinations are then disjoint, each inside its own room (so the plan need not check it again). Only
-    the chosen offsets' types are checked here (ints; the others' after the first launch, :func:`pack_fresh`).
-    None where the job goes as :func:`run_fresh` alone: too few pieces or bytes for turns, room enough for a lead,
-    offsets out of range, a chosen offset that is not an int, or a chosen source that is not a tensor or does not
-    fit (the whole job's checks then name it). Never raises for a bad argument: that is for the checks that name
-    it."""
-    if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)):
+def _first_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
+                   ) -> tuple[np.ndarray, np.ndarray, PackPieces, bool] | None:
+    """The offsets as an int64 column, and the indices and pieces of what a pack copies first, chosen from the
+    offsets, with whether they lead: where some offset has room for a piece that could lead, the sources with such
+    room that :func:`lead` takes, else a first turn (:func:`_first_turn_by_room`) of whole words. Only
+    the chosen offsets' types are checked here (ints; the others' after the first copy, :func:`pack_fresh`). None
+    where the job goes as :func:`run_fresh` alone: offsets out of range, a chosen offset that is not an int, or a
+    chosen source that is not a tensor or does not fit its room (the whole job's checks then name it), or nothing
+    to choose. Never raises for a bad argument: that is for the checks that name it."""
+    if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)) or \
+            not isinstance(offsets, (list, tuple)) or len(offsets) != len(sources) or not len(sources):
         return None
-    n = len(sources)
-    if n <= MIN_PIECES or not isinstance(offsets, (list, tuple)) or len(offsets) != n or \
-            dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n:
+    if len(sources) <= MIN_PIECES and dst.numel() < _lead_elements(dst):  # neither a lead nor turns: a small job
         return None
     try:  # any value int() takes: a float or a bool here is found by the type checks
-        begin = np.fromiter(offsets, dtype=np.int64, count=n)
+        begin = np.fromiter(offsets, dtype=np.int64, count=len(sources))
     except Exception:  # noqa: BLE001 (whatever a value's int() raises: the checks that follow name the value)
         return None
     room = _room(begin, dst.numel())
-    if room is None or int(room.max()) >= _lead_elements(dst):
+    if room is None:
         return None
-    chosen = _biggest(room, FIRST_TURN)
+    leads = int(room.max()) >= _lead_elements(dst)
+    chosen = np.flatnonzero(room >= _lead_elements(dst)) if leads else _first_turn_by_room(dst, room)
+    if chosen is None:
+        return None
     at = chosen.tolist()
     picked = [sources[i] for i in at]
     if not all(type(offsets[i]) is int for i in at) or not all(isinstance(src, torch.Tensor) for src in picked):
@@ -184,17 +190,24 @@ def _first_turn_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offs
     count = each_int64("numel", picked)
     if bool((count > room[chosen]).any()):
         return None
-    body = _whole_words(count, dst.element_size())
-    # A source of less than one word goes with the rest: as an empty piece here, its memory would not be checked
-    # against dst's before this turn writes.
-    keep = body > 0
-    if not bool(keep.all()):
-        chosen, count, body = chosen[keep], count[keep], body[keep]
-        picked = [src for src, kept in zip(picked, keep.tolist()) if kept]
-    if not len(chosen):
+    # Each inside its own room: their destinations are disjoint (so the plan need not check it again). A first
+    # turn's piece is its source's whole 16-byte words; a source of less than one word goes with the rest: as an
+    # empty piece here, its memory would not be checked against dst's before this turn writes.
+    size = count if leads else _whole_words(count, dst.element_size())
+    pieces = PackPieces(picked, np.zeros_like(count), size, begin[chosen], count, gaps=np.zeros((0, 2), np.int64))
+    keep = lead(dst, pieces) if leads else np.flatnonzero(size > 0)
+    if not len(keep):
         return None
-    return begin, chosen, PackPieces(picked, np.zeros_like(count), body, begin[chosen], count,
-                                     gaps=np.zeros((0, 2), dtype=np.int64))
+    return begin, chosen[keep], pieces.take(keep, distinct=True), leads
+
+
+def _first_turn_by_room(dst: torch.Tensor, room: np.ndarray) -> np.ndarray | None:
+    """The indices of a pack's first turn: the FIRST_TURN sources with the most room before the next offset (dst's
+    end for the last). None for a job of too few pieces or bytes for turns."""
+    n = len(room)
+    if n <= MIN_PIECES or dst.numel() * dst.element_size() < MIN_MEAN_BYTES * n:
+        return None
+    return _biggest(room, FIRST_TURN)
 
 
 def _whole_words(count: np.ndarray, itemsize: int) -> np.ndarray:
@@ -220,15 +233,16 @@ def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
 
 
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
-              what: str = "sources", done: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+              what: str = "sources", done: tuple[np.ndarray, np.ndarray] | None = None,
+              first_turn: int | None = None) -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
     of the result (drop it). The sources are only read, as dst's contract requires: a source lying inside dst (which
     a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
     copies wrote over it. ``done``: ``(indices, copied)``, how many of their first elements those pieces had copied
-    already (:func:`pack_fresh`'s first turn): checked with the whole job, only the rest of each copied; the turns
-    then go on from the second turn's size."""
+    already (:func:`pack_fresh`'s lead or first turn): checked with the whole job, only the rest of each copied.
+    ``first_turn``: the size of the first of the turns (default FIRST_TURN; after a first turn, the second's)."""
     if done is None and (not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or
                                                                      worth_turns(dst, pieces))):
         run_plan(dst, pieces, zero_ranges, what=what)
@@ -258,7 +272,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
                 run_plan(dst, rest, zeros, what=what)
         return
     no_zeros = zeros[:0]
-    for indices, last in _in_turns(rest, None if done is None else FIRST_TURN * GROWTH):
+    for indices, last in _in_turns(rest, first_turn):
         # The zero ranges last: thousands of pads are host work that the device's backlog hides by then.
         zeros_now = zeros if last else no_zeros
         with _errors_as_one_plan(dst, pieces, zeros, what):

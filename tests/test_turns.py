@@ -539,9 +539,10 @@ def _failing_turn(monkeypatch, at: int, error: type[BaseException]) -> list:
 
 
 def _first_turns_by_room(monkeypatch) -> list:
-    """Record whether each fresh pack's first turn was chosen from its offsets (:func:`pack_fresh`)."""
-    chosen, real = [], turns_module._first_turn_by_room
-    monkeypatch.setattr(turns_module, "_first_turn_by_room",
+    """Record what each fresh pack chose from its offsets to copy first (:func:`pack_fresh`): None, or its
+    ``(offsets, indices, pieces, led)``."""
+    chosen, real = [], turns_module._first_by_room
+    monkeypatch.setattr(turns_module, "_first_by_room",
                         lambda *args: chosen.append(real(*args)) or chosen[-1])
     return chosen
 
@@ -607,16 +608,21 @@ def _sized_sources(counts: list[int], dtype: torch.dtype = torch.bfloat16, seed:
 
 
 def _recorded_lead(monkeypatch) -> list:
-    """Record the indices each :func:`run_fresh` copies in its lead."""
+    """Record the sources each fresh pack copies in its lead, in order (:func:`_which` gives their indices)."""
     led = []
     real = turns_module._copy_lead
 
     def recording(dst, pieces, first):
-        led.append(first.tolist())
+        led.append([pieces.sources[i] for i in first.tolist()])
         return real(dst, pieces, first)
 
     monkeypatch.setattr(turns_module, "_copy_lead", recording)
     return led
+
+
+def _which(led: list, sources: list) -> list[int]:
+    """The indices in ``sources`` of the tensors one lead copied (the lead's own pieces may be a part of the job's)."""
+    return [next(k for k, s in enumerate(sources) if s is t) for t in led]
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["one plan after", "turns after"])
@@ -635,7 +641,7 @@ def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(
     monkeypatch.setattr(turns_module, "run_plan", lambda d, p, *a, **k: (one_plan.append(p), real_run_plan(d, p, *a, **k)))
     pack(dst, sources, offsets, fresh=True)
     big = [k for k, n in enumerate(counts) if n >= 8]
-    assert led == [sorted(big, key=lambda k: -counts[k])]  # stable: equal counts in index order
+    assert [_which(e, sources) for e in led] == [sorted(big, key=lambda k: -counts[k])]  # ties: index order
     rest = [id(s) for k, s in enumerate(sources) if k not in big]
     if many and route == "kernels":  # in turns, each biggest first: together every piece not led
         assert not one_plan and sorted(id(s) for p, _, _ in made for s in p.sources) == sorted(rest)
@@ -680,7 +686,8 @@ def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fa
         expected = torch.empty_like(dst)
         torch_pack_slices(expected, slices)
         pack_slices(dst, slices, fresh=True)
-        assert torch.equal(bits(dst), bits(expected)) and led == [[0, 1]]
+        assert torch.equal(bits(dst), bits(expected))
+        assert [_which(e, [s[0] for s in slices]) for e in led] == [[0, 1]]
         return
     with pytest.raises((TypeError, ValueError)) as one_plan:
         pack_slices(dst, slices)  # raises before writing: dst is still fresh for the call below
@@ -694,8 +701,40 @@ def test_a_big_piece_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fa
     with pytest.raises(type(one_plan.value)) as fresh:
         pack_slices(dst, slices, fresh=True)
     assert str(fresh.value) == str(one_plan.value) and "slices[3]" in str(fresh.value)
-    assert 3 not in led[0]  # the others led (dst is fresh: dropped by the caller on this error)
+    assert 3 not in _which(led[0], [s[0] for s in slices])  # the others led (dst is fresh: the caller drops it)
     assert all(b is None or torch.equal(values(s[0]), b) for s, b in zip(slices, before))
+
+
+@pytest.mark.parametrize("fault", [None, "float offset", "overlap"])
+def test_a_packs_lead_is_chosen_by_room_before_the_job_is_read(monkeypatch, fault):
+    """A pack's lead goes before ``pack_pieces`` reads the other sources: the sources whose room could hold a lead,
+    biggest first. A fault that only the whole job shows (an offset of another type, a destination reaching into
+    the next) is found after the lead's writes (a fresh dst allows them) and raised as one plan raises it."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
+    led = _recorded_lead(monkeypatch)
+    order = []
+    real_pieces = turns_module.pack_pieces
+    monkeypatch.setattr(turns_module, "pack_pieces", lambda *a, **k: order.append("pieces") or real_pieces(*a, **k))
+    monkeypatch.setattr(turns_module, "_copy_lead", lambda *a, real=turns_module._copy_lead: (order.append("lead"),
+                                                                                              real(*a))[1])
+    counts = [3, 9, 1, 12, 2, 16, 4]
+    sources = _sized_sources(counts, dtype=torch.float32, seed=12)
+    offsets = np.concatenate([[0], np.cumsum([n + 1 for n in counts])[:-1]]).tolist()
+    dst = torch.full((sum(counts) + len(counts),), 7.0, device=DEVICE)
+    if fault is None:
+        pack(dst, sources, offsets, fresh=True)
+        assert is_the_pack(dst, sources, offsets)
+        assert order == ["lead", "pieces"] and [_which(e, sources) for e in led] == [[5, 3, 1]]
+        return
+    if fault == "float offset":
+        offsets[2] = float(offsets[2])
+    else:
+        sources[0] = torch.zeros(counts[0] + 2, device=DEVICE)  # into sources[1]'s destination
+    with pytest.raises((TypeError, ValueError)) as one_plan:
+        pack(torch.empty_like(dst), sources, offsets)
+    with pytest.raises(type(one_plan.value)) as fresh:
+        pack(dst, sources, offsets, fresh=True)
+    assert str(fresh.value) == str(one_plan.value) and order[:2] == ["lead", "pieces"]
 
 
 def test_destinations_overlapping_a_lead_piece_are_refused_before_any_write(monkeypatch):
@@ -793,7 +832,7 @@ def test_a_one_element_source_with_any_stride_leads(monkeypatch):
     sources = [odd, torch.arange(5, dtype=torch.bfloat16, device=DEVICE)]
     dst = torch.full((8,), -1.0, dtype=torch.bfloat16, device=DEVICE)
     pack(dst, sources, [0, 2], fresh=True)
-    assert is_the_pack(dst, sources, [0, 2]) and sorted(led[0]) == [0, 1]
+    assert is_the_pack(dst, sources, [0, 2]) and sorted(_which(led[0], sources)) == [0, 1]
 
 
 def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whole_job(monkeypatch):
@@ -810,7 +849,8 @@ def test_a_bad_source_in_a_turn_after_the_lead_is_named_by_its_index_in_the_whol
         pack(torch.empty(16 * len(sources), device=DEVICE), sources, offsets)
     with pytest.raises(TypeError) as fresh:
         pack(torch.empty(16 * len(sources), device=DEVICE), sources, offsets, fresh=True)
-    assert led == [[2, 40, 90]] and f"sources[{bad}]" in str(fresh.value) and str(fresh.value) == str(whole.value)
+    assert [_which(e, sources) for e in led] == [[2, 40, 90]]
+    assert f"sources[{bad}]" in str(fresh.value) and str(fresh.value) == str(whole.value)
 
 
 # ------------------------------------------------------------------------------------------ a fresh pack's errors
