@@ -39,6 +39,7 @@ STEPS = [
     ("ztriton.policy", "log_decision", "log decision"),
     ("ztriton.flatten.tiers", "empty", "allocate flat"),
     ("ztriton.kernels.turns", "_first_turn_by_room", "first turn by room"),
+    ("ztriton.kernels.turns", "_first_by_room", "lead or first turn chosen by room"),
     ("ztriton.kernels.turns", "pack_pieces", "pack_pieces"),
     ("ztriton.kernels.turns", "_copy_lead", "lead copies"),
     ("ztriton.kernels.turns", "make_plan", "plan a turn"),
