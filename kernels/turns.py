@@ -4,15 +4,15 @@
 argument leaves ``dst`` as it was. Reading the sources' attributes for those checks is host work of about a
 microsecond or more per tensor: for thousands of tensors, most of the copy's time, during which the device idles.
 
-A buffer allocated for the result (a flatten's or a defragment's flat buffer, a rank's partition) holds
-nothing anyone reads yet: a failure half way through leaves only a buffer that its caller drops. For such a
-``dst`` the pieces go in turns, and the device copies one turn while the host checks the next. The biggest
-pieces go first: the device then has the most to copy while the host checks the many small ones (the order
-of the writes does not matter, their destinations are disjoint), and the zero ranges go last. What never
-changes: what no turn could check alone (destination ranges disjoint across the whole job, the zero ranges
-inside dst) is checked before any byte is written, but for a pack's first turn chosen by room (below); each
-turn is checked in full before its own bytes are written, so nothing is ever written outside dst; the sources
-are only read; an error names the culprit by its index in the whole job, as a single plan's would.
+A buffer allocated for the result (a flatten's or a defragment's flat buffer, a rank's partition) holds nothing
+anyone reads yet: a failure half way through leaves only a buffer that its caller drops. For such a ``dst`` the
+pieces go in turns, and the device copies one turn while the host checks the next. The biggest pieces go first: the
+device then has the most to copy while the host checks the many small ones (the order of the writes does not matter,
+their destinations are disjoint), and the zero ranges go last. What never changes: what no turn could check alone
+(destination ranges disjoint across the whole job, the zero ranges inside dst) is checked before any byte is
+written, but for a pack's lead or first turn chosen by room (below); each turn is checked in full before its own
+bytes are written, so nothing is ever written outside dst; the sources are only read; an error names the culprit by
+its index in the whole job, as a single plan's would.
 
 Turns pay only where the device has something to overlap: on the kernels' route (more than
 ``Tuning.torch_pieces`` pieces) and for pieces big enough that the device's copy of one takes longer than the
@@ -21,12 +21,13 @@ host's check of the next.
 A pack (no window) starts one step sooner (:func:`pack_fresh`): what it copies first is chosen from the offsets
 alone and copied before the whole job's pieces are built (a ``numel`` per source) and its destinations checked:
 those then overlap the device's copy. Where some offset has room for a piece that could lead, that is the lead,
-among the sources with such room; else a first turn, the sources with the most room before the next offset. That
-turn copies each of its pieces' whole 16-byte words only, one launch of one word class where the addresses allow;
-the tails (under 16 bytes each, which would add a launch per word class) go with the rest of the job. The first
-turn's own pieces are checked in full before it is written (the lead's: the lead's checks), so nothing is ever
-written outside dst; a fault elsewhere (two destinations overlapping, another offset that is not an int) is then
-found after those writes, which a fresh dst allows, and raised as one plan raises it.
+among the sources with such room (none taken: the whole job is read first); else a first turn, the sources with the
+most room before the next offset. That turn copies each of its pieces' whole 16-byte words only, one launch of one
+word class where the addresses allow; the tails (under 16 bytes each, which would add a launch per word class) go
+with the rest of the job. The first turn's own pieces are checked in full before it is written (the lead's: the
+lead's checks), so nothing is ever written outside dst; a fault elsewhere (two destinations overlapping, another
+offset that is not an int) is then found after those writes, which a fresh dst allows, and raised as one plan raises
+it.
 
 Before any turn (or the one plan), the **lead**: the biggest pieces whose sources are plainly copyable (dst's dtype
 and device, contiguous, in range, not in dst's memory) are copied by torch straight away, biggest first, right after
@@ -142,8 +143,7 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
         return
     begin, chosen, bodies, led = first
     try:
-        if led:  # the checks of dst that a plan makes before it writes
-            check_dst(dst)
+        if led:  # the check of dst that a plan makes before it writes (check_dst passed: _first_by_room)
             check_launchable(dst)
             _copy_lead(dst, bodies, np.arange(len(bodies)))
         else:
@@ -180,6 +180,11 @@ def _first_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: 
     if room is None:
         return None
     leads = int(room.max()) >= _lead_elements(dst)
+    if leads:
+        try:  # before lead() reads dst's address; a dst it refuses is named by the whole job's checks
+            check_dst(dst)
+        except (TypeError, ValueError):
+            return None
     chosen = np.flatnonzero(room >= _lead_elements(dst)) if leads else _first_turn_by_room(dst, room)
     if chosen is None:
         return None

@@ -737,6 +737,46 @@ def test_a_packs_lead_is_chosen_by_room_before_the_job_is_read(monkeypatch, faul
     assert str(fresh.value) == str(one_plan.value) and order[:2] == ["lead", "pieces"]
 
 
+@pytest.mark.parametrize("fault", ["sparse", "not contiguous"])
+def test_a_dst_that_a_plan_refuses_gets_its_error_before_a_packs_lead_writes(monkeypatch, fault):
+    """A dst the plan's checks refuse is refused before the lead reads its address or writes: the one plan's
+    error, and nothing written around a strided dst."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 4 * 4)
+    led = _recorded_lead(monkeypatch)
+    buffer = torch.full((128,), 7.0, device=DEVICE)
+    dst = buffer[::2] if fault == "not contiguous" else torch.zeros(64).to_sparse()
+    errors = []
+    for fresh in (False, True):
+        with pytest.raises((TypeError, ValueError)) as caught:
+            pack(dst, [torch.ones(8, device=DEVICE)], [0], fresh=fresh)
+        errors.append(f"{type(caught.value).__name__}: {caught.value}")
+    assert errors[0] == errors[1] and led == [] and bool((buffer == 7.0).all())
+
+
+@pytest.mark.parametrize("fault", ["strided", "negated", "dtype"])
+def test_a_packs_big_source_that_fails_a_lead_check_is_left_to_the_plan(monkeypatch, fault):
+    """Chosen by room but not plainly copyable: not led. The plan then gathers it right, or raises the one
+    plan's error (after the other pieces led: a fresh dst)."""
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
+    led = _recorded_lead(monkeypatch)
+    sources = _sized_sources([16, 3, 20, 12], dtype=torch.float32, seed=14)
+    every_other = torch.arange(40, dtype=torch.float32, device=DEVICE)[::2]  # 20 elements, stride 2
+    sources[2] = {"strided": every_other, "negated": every_other.contiguous()._neg_view(),
+                  "dtype": sources[2].double()}[fault]
+    offsets = [0, 16, 20, 44]
+    dst = torch.full((56,), 7.0, device=DEVICE)
+    if fault == "strided":
+        pack(dst, sources, offsets, fresh=True)
+        assert is_the_pack(dst, sources, offsets)
+    else:
+        with pytest.raises((TypeError, ValueError)) as one_plan:
+            pack(torch.empty_like(dst), sources, offsets)
+        with pytest.raises(type(one_plan.value)) as fresh:
+            pack(dst, sources, offsets, fresh=True)
+        assert str(fresh.value) == str(one_plan.value) and "sources[2]" in str(fresh.value)
+    assert [_which(e, sources) for e in led] == [[0, 3]]
+
+
 def test_destinations_overlapping_a_lead_piece_are_refused_before_any_write(monkeypatch):
     monkeypatch.setattr(turns_module, "LEAD_BYTES", 4 * 8)
     led = _recorded_lead(monkeypatch)
