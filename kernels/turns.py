@@ -170,7 +170,8 @@ def _first_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: 
     if not isinstance(dst, torch.Tensor) or not isinstance(sources, (list, tuple)) or \
             not isinstance(offsets, (list, tuple)) or len(offsets) != len(sources) or not len(sources):
         return None
-    if len(sources) <= MIN_PIECES and dst.numel() < _lead_elements(dst):  # neither a lead nor turns: a small job
+    lead_elements = _lead_elements(dst)
+    if len(sources) <= MIN_PIECES and dst.numel() < lead_elements:  # neither a lead nor turns: a small job
         return None
     try:  # any value int() takes: a float or a bool here is found by the type checks
         begin = np.fromiter(offsets, dtype=np.int64, count=len(sources))
@@ -179,13 +180,13 @@ def _first_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: 
     room = _room(begin, dst.numel())
     if room is None:
         return None
-    leads = int(room.max()) >= _lead_elements(dst)
+    leads = int(room.max()) >= lead_elements
     if leads:
         try:  # before lead() reads dst's address; a dst it refuses is named by the whole job's checks
             check_dst(dst)
         except (TypeError, ValueError):
             return None
-    chosen = np.flatnonzero(room >= _lead_elements(dst)) if leads else _first_turn_by_room(dst, room)
+    chosen = np.flatnonzero(room >= lead_elements) if leads else _first_turn_by_room(dst, room)
     if chosen is None:
         return None
     at = chosen.tolist()

@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # (module, function) whose end is marked; each is wrapped where the caller looks it up.
-PHASES = [("turns", "_first_turn_by_room"), ("turns", "_first_by_room"), ("plan", "validate"), ("tables", "_word_copy_calls"),
-          ("tables", "_upload"), ("turns", "pack_pieces"), ("turns", "_check_destinations"),
-          ("turns", "make_plan")]
+PHASES = [("turns", "_first_turn_by_room"), ("turns", "_first_by_room"), ("plan", "validate"),
+          ("tables", "_word_copy_calls"), ("tables", "_upload"), ("turns", "pack_pieces"),
+          ("turns", "_check_destinations"), ("turns", "make_plan")]
 
 
 def main() -> int:

@@ -7,9 +7,10 @@ Times ``ztriton.flatten_groups`` (device tier, simulated W = 8 rank 3) end to en
 after one warm call, then profiles one more call and prints the top functions by own time. Each call
 gets freshly built params (the flatten re-points them). ``--no-kernels`` skips every launch, leaving the
 host's share. By default no kernel is loaded before the untimed first call, which loads the ones the job
-needs (from the compiled cache where it has them); ``--kernels-loaded`` loads the commonest variant first. ``--torch-profiler`` also runs one call under torch.profiler and
-prints its ops by own CPU time (a host blocked on the device shows as a synchronising call). On a machine
-without CUDA the mix is scaled down 16x per dimension (602 params still).
+needs (from the compiled cache where it has them); ``--kernels-loaded`` loads the commonest variant first.
+``--torch-profiler`` also runs one call under torch.profiler and prints its ops by own CPU time (a host blocked
+on the device shows as a synchronising call). On a machine without CUDA the mix is scaled down 16x per dimension
+(602 params still).
 """
 from __future__ import annotations
 
