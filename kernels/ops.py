@@ -6,7 +6,7 @@ cannot run, and the tests' oracle.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,7 +48,8 @@ def chunk_piece(src: torch.Tensor, dst: torch.Tensor, start: int, count: int | N
 
 
 def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-         window: tuple[int, int] | None = None, *, fresh: bool = False) -> torch.Tensor:
+         window: tuple[int, int] | None = None, *, fresh: bool = False,
+         meanwhile: Callable[[], None] | None = None) -> torch.Tensor:
     """Lay ``sources`` (flattened row-major) at element ``offsets`` of a flat layout, zeros elsewhere.
 
     Without ``window`` the layout is ``dst`` itself. With ``window=(w0, w1)`` only elements
@@ -59,11 +60,17 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     pieces are then copied first and the rest checked and copied in turns (:mod:`~ztriton.kernels.turns`),
     so the device starts before the last source is checked; an error after the first copy leaves dst
     partly written (drop it).
+
+    ``meanwhile``: the caller's host work, called once before the job is read; with ``fresh``, after the
+    copies that go first are issued, so that it overlaps them (what it raises propagates, dst then partly
+    written).
     """
     if fresh:
-        pack_fresh(dst, sources, offsets, window)
-    else:
-        run_plan(dst, *pack_pieces(dst, sources, offsets, window))
+        pack_fresh(dst, sources, offsets, window, meanwhile)
+        return dst
+    if meanwhile is not None:
+        meanwhile()
+    run_plan(dst, *pack_pieces(dst, sources, offsets, window))
     return dst
 
 

@@ -40,7 +40,7 @@ The measurements behind the constants below: ``bench/NOTES.md``, "Kernels: why t
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -133,12 +133,15 @@ def worth_turns(dst: torch.Tensor, pieces: Sequence[Piece]) -> bool:
 
 
 def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-               window: tuple[int, int] | None = None) -> None:
+               window: tuple[int, int] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """:func:`~ztriton.kernels.ops.pack` into a ``dst`` just allocated for it: :func:`run_fresh` of the pack's
     pieces, after its lead or its first turn chosen from the offsets where the job allows (module docstring). The
-    same bytes and, for a bad argument, the same error as one plan."""
+    same bytes and, for a bad argument, the same error as one plan. ``meanwhile()`` runs once that first copy is
+    issued (before the job is read where none goes first)."""
     first = _first_by_room(dst, sources, offsets) if window is None else None
     if first is None:
+        if meanwhile is not None:
+            meanwhile()
         run_fresh(dst, *pack_pieces(dst, sources, offsets, window))
         return
     begin, chosen, bodies, led = first
@@ -149,8 +152,12 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
         else:
             make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
     except (TypeError, ValueError):
+        if meanwhile is not None:  # the caller's own checks, where they name the culprit, first
+            meanwhile()
         _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
         raise
+    if meanwhile is not None:
+        meanwhile()
     # The other offsets' types, checked while the device copies: anything but ints, and pack_pieces converts
     # them again and names a bad one (its error, as one plan's).
     column = begin if set(map(type, offsets)) <= {int} else offsets

@@ -660,6 +660,84 @@ def test_tied_params_in_a_large_group_are_rejected_with_every_param_untouched():
         assert p.data_ptr() == ptr and torch.equal(p.detach(), values)
 
 
+def _raw_bits(p: torch.Tensor) -> torch.Tensor:
+    """The bits a param reads as (a lazy negation resolved), as a copy."""
+    return bits(p.detach().resolve_neg()).clone()
+
+
+def _lead_job(fault: str | None):
+    """Two groups: the first with one param big enough to lead (LEAD_BYTES lowered to 32 floats) among small ones,
+    the second with ``fault`` in its last param (None: none)."""
+    first = [torch.nn.Parameter(bits_tensor((n,), torch.float32, 40, k)) for k, n in enumerate([5, 48, 3, 7])]
+    second = [torch.nn.Parameter(bits_tensor((4,), torch.float32, 41, k)) for k in range(2)]
+    if fault == "dtype":
+        second[-1] = torch.nn.Parameter(bits_tensor((4,), torch.float64, 42))
+    elif fault == "negated":
+        second[-1] = torch.nn.Parameter(bits_tensor((4,), torch.float32, 42)._neg_view())
+    return first, second
+
+
+@pytest.mark.parametrize("fault", [None, "dtype", "negated"])
+def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fault):
+    """The checks of the params themselves (one dtype and device per group, values the kernels copy) guard what
+    moves, not the device tier's copies into its fresh buffer: they run, for every group, once the first group's
+    lead is issued and before its pack reads the rest of the job. A bad param in a later group is then named with
+    no param re-pointed and every byte as it was."""
+    from ztriton.flatten import groups as groups_module
+    from ztriton.kernels import turns as turns_module
+
+    monkeypatch.setattr(turns_module, "LEAD_BYTES", 32 * 4)
+    steps = []
+    for owner, name in ((turns_module, "_copy_lead"), (turns_module, "pack_pieces"),
+                        (groups_module, "_check_params")):
+        monkeypatch.setattr(owner, name, lambda *a, _real=getattr(owner, name), _name=name, **k:
+                            steps.append(_name) or _real(*a, **k))
+    first, second = _lead_job(fault)
+    before = [(p, p.data_ptr(), _raw_bits(p)) for p in first + second]
+    if fault is None:
+        result = ztriton.flatten_groups([first, second], tier="device")
+        assert steps[:3] == ["_copy_lead", "_check_params", "pack_pieces"] and steps.count("_check_params") == 1
+        for fg in result:
+            for p, offset in zip(fg.params, fg.offsets):
+                _, _, values = next(b for b in before if b[0] is p)
+                assert torch.equal(bits(fg.flat[offset:offset + p.numel()]), values)
+        return
+    message = {"dtype": r"param_groups\[1\] mixes dtypes: params\[0\] is torch.float32, params\[1\] is torch.float64",
+               "negated": r"param_groups\[1\] params\[1\] is a lazy conjugate or negated view"}[fault]
+    with pytest.raises((TypeError, ValueError), match=message):
+        ztriton.flatten_groups([first, second], tier="device")
+    assert steps == ["_copy_lead", "_check_params"]  # during group 0's lead; its pack went no further
+    for p, ptr, values in before:
+        assert p.data_ptr() == ptr and torch.equal(_raw_bits(p), values)
+
+
+def _check_fails_on_one_gloo_rank(rank, world_size):
+    """Rank 1 alone holds a param of another dtype in its group: it raises the check's error with no param moved,
+    rank 0 a RuntimeError saying it failed on another rank; neither hangs. Rank 0 checked its own params while its
+    lead copied and may have re-pointed its first group by then: every param there keeps its values."""
+    from ztriton.kernels import turns as turns_module
+
+    turns_module.LEAD_BYTES = 32 * 4  # this rank's own process
+    first, second = _lead_job("dtype" if rank == 1 else None)
+    before = [(p, p.data_ptr(), bits(p).clone()) for p in first + second]
+    try:
+        ztriton.flatten_groups([first, second], tier="device")
+    except (TypeError, RuntimeError) as exc:
+        caught = (type(exc).__name__, str(exc))
+    else:
+        caught = None
+    same_values = all(torch.equal(bits(p), values) for p, _, values in before)
+    same_memory = all(p.data_ptr() == ptr for p, ptr, _ in before)
+    return caught, same_values, same_memory
+
+
+def test_a_param_check_failing_on_one_rank_fails_every_rank_and_keeps_every_value(gloo_world):
+    (error0, values0, _), (error1, values1, memory1) = gloo_world(_check_fails_on_one_gloo_rank, 2, timeout=120)
+    assert values0 and values1 and memory1
+    assert error1[0] == "TypeError" and "mixes dtypes" in error1[1]
+    assert error0[0] == "RuntimeError" and "flatten group 0 failed on another rank" in error0[1]
+
+
 def test_tied_views_rejected():
     base = torch.ones(10)
     a, b = torch.nn.Parameter(base[0:6]), torch.nn.Parameter(base[4:10])

@@ -924,3 +924,74 @@ def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monk
     sources[150] = sources[150].to(torch.float32)
     with pytest.raises(ValueError, match="cannot run here"):
         pack(torch.empty(at, device=DEVICE), sources, offsets, fresh=True)
+
+
+# --------------------------------------------------------------------------------------------
+# pack's ``meanwhile``: the caller's host work, once the first copies are issued.
+
+
+def _steps(monkeypatch, module=turns_module) -> list[str]:
+    """Record, in order, the lead's copies, the plans made and the reads of the whole job (``pack_pieces``) of
+    ``module``'s packs; a test appends its own steps to the same list."""
+    steps = []
+    for name, label in (("_copy_lead", "lead"), ("make_plan", "plan"), ("pack_pieces", "job read")):
+        real = getattr(module, name, None)
+        if real is not None:
+            monkeypatch.setattr(module, name, lambda *a, _real=real, _label=label, **k:
+                                steps.append(_label) or _real(*a, **k))
+    return steps
+
+
+@pytest.mark.parametrize("first", ["lead", "first turn by room", "nothing first", "not fresh"])
+def test_meanwhile_runs_once_after_the_first_copies_and_before_the_job_is_read(monkeypatch, first):
+    from ztriton.kernels import ops as ops_module
+
+    if first == "lead":
+        monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
+        counts = [3, 9, 1, 12, 2, 16, 4]
+        sources = _sized_sources(counts, dtype=torch.float32, seed=12)
+        offsets = np.concatenate([[0], np.cumsum([n + 1 for n in counts])[:-1]]).tolist()
+        dst = torch.full((sum(counts) + len(counts),), 7.0, device=DEVICE)
+    elif first == "nothing first":
+        sources, offsets = _sized_sources([3, 5], dtype=torch.float32, seed=3), [0, 4]
+        dst = torch.full((10,), 7.0, device=DEVICE)
+    else:
+        sources, offsets, dst = _roomy_pack()
+    steps = _steps(monkeypatch, ops_module if first == "not fresh" else turns_module)
+    pack(dst, sources, offsets, fresh=first != "not fresh", meanwhile=lambda: steps.append("meanwhile"))
+    expected = {"lead": ["lead", "meanwhile", "job read"], "first turn by room": ["plan", "meanwhile", "job read"],
+                "nothing first": ["meanwhile", "job read"], "not fresh": ["meanwhile", "job read"]}[first]
+    assert steps[:len(expected)] == expected and steps.count("meanwhile") == 1
+    assert is_the_pack(dst, sources, offsets)
+
+
+class _CallersCheck(ValueError):
+    pass
+
+
+@pytest.mark.parametrize("first", ["lead", "first turn by room"])
+def test_what_meanwhile_raises_propagates_and_comes_before_a_first_turns_error(monkeypatch, first):
+    """meanwhile's error propagates (dst then partly written: a fresh one); where the first turn's own plan refuses
+    a source, meanwhile still runs first, so that a caller's check naming the culprit wins over the plan's error."""
+    if first == "lead":
+        monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
+        sources, offsets = _sized_sources([12, 3, 16], dtype=torch.float32, seed=5), [0, 13, 17]
+        dst = torch.full((33,), 7.0, device=DEVICE)
+    else:
+        sources, offsets, dst = _roomy_pack()
+        sources[_by_room(offsets, dst.numel())[0]] = torch.ones(4, dtype=torch.float64, device=DEVICE)
+    steps = _steps(monkeypatch)
+
+    def refuse():
+        steps.append("meanwhile")
+        raise _CallersCheck("the caller's check")
+
+    with pytest.raises(_CallersCheck):
+        pack(dst, sources, offsets, fresh=True, meanwhile=refuse)
+    assert steps == [{"lead": "lead", "first turn by room": "plan"}[first], "meanwhile"]
+    if first == "first turn by room":  # without a caller's check: the one plan's error, naming that source
+        with pytest.raises(TypeError) as one_plan:
+            pack(torch.empty_like(dst), sources, offsets)
+        with pytest.raises(TypeError) as fresh:
+            pack(dst, sources, offsets, fresh=True, meanwhile=lambda: None)
+        assert str(fresh.value) == str(one_plan.value)

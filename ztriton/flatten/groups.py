@@ -165,15 +165,31 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
         options = Options.of(headroom_bytes=headroom_bytes, chunk_bytes=chunk_bytes)
         lists = _param_lists(param_groups)
         groups = [_prepare(i, params, world.size, round_robin, parameter_alignment) for i, params in enumerate(lists)]
-        _check_kernels_take(groups, lists)
         return forced, options, lists, groups
 
-    # A check may fail on one rank only (the kernels' check allocates): every rank raises here, or none does.
+    # A check may fail on one rank only: every rank raises here, or none does.
     forced, options, lists, groups = agreed(world, checks, "flatten_groups: checking the param groups")
-    # Checked before the first param moves, not before the first pack: the device tier's pack only reads the
-    # params into a new buffer, and the check (a walk over every param) then runs while it copies.
+    # The checks of the params themselves guard what moves, not the device tier's pack, which only reads them into
+    # a new buffer: they run before the first param moves, the device tier's while its first copies run.
+    params_fit = _Once(lambda: _check_params(groups, lists))
     no_shared_memory = _Once(lambda: _check_no_shared_memory(groups, lists))
-    return [_flatten_group(g, world, forced, options, no_shared_memory, repoint) for g in groups]
+    checks = _ParamChecks(params_fit, no_shared_memory)
+    return [_flatten_group(g, world, forced, options, checks, repoint) for g in groups]
+
+
+class _ParamChecks:
+    """The input checks that guard only the params, each run once for all groups before any param moves:
+    ``fit`` (:func:`_check_params`), which the device tier runs while its first copies run, and ``before_moving``
+    (``fit``, then no shared memory), which the device tier runs once its pack is launched."""
+
+    __slots__ = ("fit", "no_shared_memory")
+
+    def __init__(self, fit: Callable[[], None], no_shared_memory: Callable[[], None]) -> None:
+        self.fit, self.no_shared_memory = fit, no_shared_memory
+
+    def before_moving(self) -> None:
+        self.fit()
+        self.no_shared_memory()
 
 
 class _Once:
@@ -231,23 +247,34 @@ def _listed(params: Any, where: str) -> list:
 
 def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robin: bool,
              parameter_alignment: bool) -> Group:
-    """Check that one group's participating params can share a flat buffer and compute its layout.
+    """One group's layout, with the dtype and device of its first participating param (:func:`_check_params`
+    checks that the others share them).
 
     A param takes part if it requires grad and has elements (DeepSpeed's ``is_optimized_parameter``).
     """
     numels = each("numel", params)
     trainable = list(map(_REQUIRES_GRAD, params))
-    members = [params[j] for j in range(len(params)) if trainable[j] and numels[j] > 0]
-    # One pass over thousands of params in the common case; the loop below only names the culprit.
-    if members and {(p.dtype, p.device) for p in members} != {(members[0].dtype, members[0].device)}:
-        _name_mixed(index, params, [j for j in range(len(params)) if trainable[j] and numels[j] > 0])
-    first = members[0] if members else (params[0] if params else None)
+    members = [j for j in range(len(params)) if trainable[j] and numels[j] > 0]
+    first = params[members[0]] if members else (params[0] if params else None)
     dtype = first.dtype if first is not None else torch.get_default_dtype()
     device = first.device if first is not None else torch.device("cpu")
     layout = zero12_group_layout(numels, world_size, element_size=dtype.itemsize,
                                  trainable=trainable, round_robin=round_robin, parameter_alignment=parameter_alignment)
     ordered = [params[j] for j in layout.order]
     return Group(index, ordered, [p.shape for p in ordered], layout, dtype, device)
+
+
+def _check_params(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
+    """The participating params of each group share one dtype and one device (those of its flat buffer), and hold
+    values the kernels can copy (``policy.check_tensors``)."""
+    for g, params in zip(groups, lists):
+        # One pass over thousands of params in the common case; _name_mixed only names the culprit.
+        if g.params and {(p.dtype, p.device) for p in g.params} != {(g.dtype, g.device)}:
+            _name_mixed(g.index, params, sorted(g.layout.order))
+    for g in groups:
+        order = g.layout.order
+        policy.check_tensors(g.params, lambda k, g=g, order=order: f"param_groups[{g.index}] params[{order[k]}]",
+                             hint=" or freeze it (requires_grad=False)")
 
 
 def _name_mixed(index: int, params: list[torch.Tensor], members: list[int]) -> None:
@@ -263,15 +290,6 @@ def _name_mixed(index: int, params: list[torch.Tensor], members: list[int]) -> N
         if p.device != params[first].device:
             raise ValueError(f"{where} mixes devices: params[{first}] is on {params[first].device}, params[{j}] "
                              f"on {p.device}; move the model to one device first (model.to(device))")
-
-
-def _check_kernels_take(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
-    """Every participating param of every group is one whose values can be copied (``policy.check_tensors``),
-    checked before any group moves."""
-    for g, params in zip(groups, lists):
-        order = g.layout.order
-        policy.check_tensors(g.params, lambda k, g=g, order=order: f"param_groups[{g.index}] params[{order[k]}]",
-                             hint=" or freeze it (requires_grad=False)")
 
 
 def _check_no_shared_memory(groups: list[Group], lists: list[list[torch.Tensor]]) -> None:
@@ -354,29 +372,30 @@ def _byte_spans(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 # One group: decide, try tiers in order, re-point the params.
 
 
-def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options,
-                   before_moving: Callable[[], None], repoint: bool) -> FlatGroup:
+def _flatten_group(g: Group, world: World, forced: Tier | None, options: Options, checks: _ParamChecks,
+                   repoint: bool) -> FlatGroup:
     """One group through its tiers. With W > 1 every rank agrees on the outcome before the next group
     (whose first step is a collective): a rank that failed must not leave the others waiting in it."""
     if not g.params:
         logger.info("ztriton flatten group %d: no trainable non-empty params, empty flat buffer", g.index)
         flat = torch.empty(0, dtype=g.dtype, device=g.device)
         return FlatGroup(flat, (), g.layout, None, world.rank)
-    outcome = agree(world, lambda: _build(g, world, forced, options, before_moving, repoint))
+    outcome = agree(world, lambda: _build(g, world, forced, options, checks, repoint))
     if outcome.ok:
         return outcome.value
     if outcome.error is not None:
         raise outcome.error
-    raise RuntimeError(f"flatten group {g.index} failed on another rank (its error says why); on this rank groups "
-                       f"0 to {g.index} hold their values (group {g.index} and later ones are not flattened here). "
+    raise RuntimeError(f"flatten group {g.index} failed on another rank (its error says why); on this rank every "
+                       f"param keeps its values (those of groups 0 to {g.index} may now be views of new flat buffers). "
                        "Fix the cause on that rank and call again on every rank")
 
 
-def _build(g: Group, world: World, forced: Tier | None, options: Options,
-           before_moving: Callable[[], None], repoint: bool) -> FlatGroup:
-    """The group's tiers in the policy's order; ``before_moving`` (the input checks that only guard the
-    params themselves) runs before a tier that moves params, or after the device tier's pack and before
-    the params are re-pointed (``repoint``; else the caller re-points them)."""
+def _build(g: Group, world: World, forced: Tier | None, options: Options, checks: _ParamChecks,
+           repoint: bool) -> FlatGroup:
+    """The group's tiers in the policy's order; ``checks.before_moving`` (the input checks that only guard the
+    params themselves) runs before a tier that moves params, or after the device tier's pack (which runs
+    ``checks.fit`` while its first copies run) and before the params are re-pointed (``repoint``; else the caller
+    re-points them)."""
     start = time.perf_counter()
     step = agree(world, lambda: memory.probe_memory(g.device))
     if not step.ok:
@@ -388,15 +407,15 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
     free, host, spill = min_over_ranks([figures.device_free, figures.host_available, spillable], world)
     decision = policy.choose_flatten_tier(g.nbytes, world.size, free, spill, options.headroom_bytes, forced)
     policy.log_decision(f"flatten group {g.index}", decision, figures)
-    inputs = TierInputs(decision, world, options, host)
+    inputs = TierInputs(decision, world, options, host, checks.fit)
 
     failures = []
     for tier in policy.flatten_fallbacks(decision.tier):
         if tier is Tier.DISTRIBUTED:  # a collective tier: every rank enters it, or none does
-            agreed(world, before_moving, f"flatten group {g.index}: checking the params",
+            agreed(world, checks.before_moving, f"flatten group {g.index}: checking the params",
                    f"group {g.index}'s params were not moved")
         elif tier is not Tier.DEVICE:
-            before_moving()
+            checks.before_moving()
         try:
             flat = TIERS[tier](g, inputs)
         except torch.OutOfMemoryError as exc:
@@ -410,7 +429,7 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options,
                 exc.add_note(f"ztriton flatten group {g.index}, tier {tier.value}: the params keep their values: "
                              f"{where}")
             raise
-        before_moving()  # after the device tier: the params are untouched, the new buffer is dropped
+        checks.before_moving()  # after the device tier: the params are untouched, the new buffer is dropped
         # Without repoint only the device tier leaves them: its params still hold their own memory. A tier that
         # moved params away (host copies, a lent spill block) re-points them now, so that a caller that fails
         # before its own re-pointing leaves no param in host memory.

@@ -13,7 +13,7 @@ failures, whatever their class, fall through to the next tier on every rank at o
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -68,18 +68,22 @@ class Group:
 
 
 class TierInputs:
-    """What a tier needs besides the group: the decision, the world, the options and the (rank-agreed)
-    free host memory, which the decision does not carry."""
+    """What a tier needs besides the group: the decision, the world, the options, the (rank-agreed)
+    free host memory, which the decision does not carry, and ``check_params``: the checks of the params
+    themselves, which the device tier runs while its pack's first copies run (the caller runs them before any
+    other tier)."""
 
-    __slots__ = ("decision", "world", "options", "host_bytes")
+    __slots__ = ("decision", "world", "options", "host_bytes", "check_params")
 
-    def __init__(self, decision: FlattenDecision, world: World, options: Options, host_bytes: int) -> None:
+    def __init__(self, decision: FlattenDecision, world: World, options: Options, host_bytes: int,
+                 check_params: Callable[[], None]) -> None:
         self.decision, self.world, self.options, self.host_bytes = decision, world, options, host_bytes
+        self.check_params = check_params
 
 
 def _device_tier(g: Group, inputs: TierInputs) -> torch.Tensor:
     flat = empty(g.layout.total_numel, g.dtype, g.device, "flat buffer")
-    _pack(flat, g.params, g.offsets)
+    _pack(flat, g.params, g.offsets, meanwhile=inputs.check_params)
     return flat
 
 
@@ -302,13 +306,16 @@ def _copy_to_host(dst: torch.Tensor, src: torch.Tensor, inputs: TierInputs, pinn
 
 
 def _pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-          window: tuple[int, int] | None = None) -> None:
+          window: tuple[int, int] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """``ztriton.kernels.pack``, or its torch reference where the kernels cannot run on dst's device. The
     sources are read in place (params as they are: neither path records autograd). ``dst`` is always a buffer
-    just allocated for the result, dropped on an error: the pack checks and copies the params in turns."""
+    just allocated for the result, dropped on an error: the pack checks and copies the params in turns.
+    ``meanwhile``: as the pack's (before the torch reference)."""
     if kernels_run_on(dst.device):
-        pack(dst, sources, offsets, window, fresh=True)
+        pack(dst, sources, offsets, window, fresh=True, meanwhile=meanwhile)
         return
+    if meanwhile is not None:
+        meanwhile()
     sources = [memory.unit_strided(src) for src in sources]
     logger.info("ztriton: CPU tensors without TRITON_INTERPRET=1, packing with torch instead of the kernels")
     torch_pack(dst, sources, offsets, window)
