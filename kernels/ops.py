@@ -61,9 +61,10 @@ def pack(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[i
     so the device starts before the last source is checked; an error after the first copy leaves dst
     partly written (drop it).
 
-    ``meanwhile``: the caller's host work, called once before the job is read; with ``fresh``, after the
-    copies that go first are issued, so that it overlaps them (what it raises propagates, dst then partly
-    written).
+    ``meanwhile``: the caller's host work, called once: with ``fresh``, once the device has the first copies
+    (the lead, and the first of the turns where the job goes in turns), so that it overlaps them; else before
+    the job is read. What it raises propagates (a fresh dst then partly written); where the job itself raises
+    for a bad argument first, it still runs first, so that a caller's check naming the culprit wins.
     """
     if fresh:
         pack_fresh(dst, sources, offsets, window, meanwhile)

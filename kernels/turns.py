@@ -136,33 +136,52 @@ def pack_fresh(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequ
                window: tuple[int, int] | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """:func:`~ztriton.kernels.ops.pack` into a ``dst`` just allocated for it: :func:`run_fresh` of the pack's
     pieces, after its lead or its first turn chosen from the offsets where the job allows (module docstring). The
-    same bytes and, for a bad argument, the same error as one plan. ``meanwhile()`` runs once that first copy is
-    issued (before the job is read where none goes first)."""
+    same bytes and, for a bad argument, the same error as one plan. ``meanwhile``: as :func:`run_fresh`'s."""
+    meanwhile = _Meanwhile(meanwhile)
     first = _first_by_room(dst, sources, offsets) if window is None else None
-    if first is None:
-        if meanwhile is not None:
-            meanwhile()
-        run_fresh(dst, *pack_pieces(dst, sources, offsets, window))
-        return
-    begin, chosen, bodies, led = first
-    try:
-        if led:  # the check of dst that a plan makes before it writes (check_dst passed: _first_by_room)
-            check_launchable(dst)
-            _copy_lead(dst, bodies, np.arange(len(bodies)))
-        else:
-            make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
-    except (TypeError, ValueError):
-        if meanwhile is not None:  # the caller's own checks, where they name the culprit, first
-            meanwhile()
-        _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
-        raise
-    if meanwhile is not None:
-        meanwhile()
-    # The other offsets' types, checked while the device copies: anything but ints, and pack_pieces converts
-    # them again and names a bad one (its error, as one plan's).
-    column = begin if set(map(type, offsets)) <= {int} else offsets
-    run_fresh(dst, *pack_pieces(dst, sources, column), done=(chosen, bodies.count),
-              first_turn=None if led else FIRST_TURN * GROWTH)
+    with meanwhile.first_on_error():
+        if first is None:
+            run_fresh(dst, *pack_pieces(dst, sources, offsets, window), meanwhile=meanwhile)
+            return
+        begin, chosen, bodies, led = first
+        try:
+            if led:  # the check of dst that a plan makes before it writes (check_dst passed: _first_by_room)
+                check_launchable(dst)
+                _copy_lead(dst, bodies, np.arange(len(bodies)))
+            else:
+                make_plan(dst, bodies, (), KERNELS_ONLY, run_now=True).launch()
+        except (TypeError, ValueError):
+            _raise_as_one_plan(dst, *pack_pieces(dst, sources, offsets), what="sources")
+            raise
+        # The other offsets' types, checked while the device copies: anything but ints, and pack_pieces converts
+        # them again and names a bad one (its error, as one plan's).
+        column = begin if set(map(type, offsets)) <= {int} else offsets
+        run_fresh(dst, *pack_pieces(dst, sources, column), done=(chosen, bodies.count),
+                  first_turn=None if led else FIRST_TURN * GROWTH, meanwhile=meanwhile)
+
+
+class _Meanwhile:
+    """A caller's host work (``pack``'s ``meanwhile``), run once: once the device has the job's first copies, or,
+    where the job raises for a bad argument before that, first (so that the caller's checks, where they name the
+    culprit, win over the job's)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Callable[[], None] | None) -> None:
+        self.work = work
+
+    def __call__(self) -> None:
+        work, self.work = self.work, None
+        if work is not None:
+            work()
+
+    @contextmanager
+    def first_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except (TypeError, ValueError):
+            self()
+            raise
 
 
 def _first_by_room(dst: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int]
@@ -247,7 +266,7 @@ def _room(begin: np.ndarray, end: int) -> np.ndarray | None:
 
 def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]] = (),
               what: str = "sources", done: tuple[np.ndarray, np.ndarray] | None = None,
-              first_turn: int | None = None) -> None:
+              first_turn: int | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """:func:`~ztriton.kernels.plan.run_plan` for a ``dst`` that was just allocated for this result: the same
     copy and the same errors, but the biggest pieces are copied first (:func:`lead`) and the rest checked and
     copied in turns where that pays (:func:`worth_turns`). On an error raised after the first copy, dst holds part
@@ -255,9 +274,20 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     a just-allocated dst cannot hold) is refused, but only once its own turn is checked, possibly after earlier
     copies wrote over it. ``done``: ``(indices, copied)``, how many of their first elements those pieces had copied
     already (:func:`pack_fresh`'s lead or first turn): checked with the whole job, only the rest of each copied.
-    ``first_turn``: the size of the first of the turns (default FIRST_TURN; after a first turn, the second's)."""
+    ``first_turn``: the size of the first of the turns (default FIRST_TURN; after a first turn, the second's).
+    ``meanwhile``: the caller's host work, run once, as soon as the device has enough to copy to hide it: after the
+    lead and the first of the turns, or before the one plan where the job goes in none (:class:`_Meanwhile`)."""
+    meanwhile = meanwhile if isinstance(meanwhile, _Meanwhile) else _Meanwhile(meanwhile)
+    with meanwhile.first_on_error():
+        _run_fresh(dst, pieces, zero_ranges, what, done, first_turn, meanwhile)
+    meanwhile()  # where nothing was copied
+
+
+def _run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]], what: str,
+               done: tuple[np.ndarray, np.ndarray] | None, first_turn: int | None, meanwhile: _Meanwhile) -> None:
     if done is None and (not isinstance(pieces, PackPieces) or not (_may_lead(dst, pieces) or
                                                                      worth_turns(dst, pieces))):
+        meanwhile()
         run_plan(dst, pieces, zero_ranges, what=what)
         return
     check_dst(dst)
@@ -280,6 +310,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
         left[first] = False
     rest = todo if bool(left.all()) else todo.take(np.flatnonzero(left), distinct=True)
     if not worth_turns(dst, rest):
+        meanwhile()
         if len(rest) or len(zeros):
             with _errors_as_one_plan(dst, pieces, zeros, what):
                 run_plan(dst, rest, zeros, what=what)
@@ -293,6 +324,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
             make_plan(dst, rest.take(indices, distinct=True), zeros_now, KERNELS_ONLY, what=what,
                       run_now=True).launch()
+        meanwhile()
 
 
 def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:

@@ -680,15 +680,15 @@ def _lead_job(fault: str | None):
 @pytest.mark.parametrize("fault", [None, "dtype", "negated"])
 def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fault):
     """The checks of the params themselves (one dtype and device per group, values the kernels copy) guard what
-    moves, not the device tier's copies into its fresh buffer: they run, for every group, once the first group's
-    lead is issued and before its pack reads the rest of the job. A bad param in a later group is then named with
-    no param re-pointed and every byte as it was."""
+    moves, not the device tier's copies into its fresh buffer: they run, for every group, once the device has the
+    first group's lead, before the rest of its job is planned. A bad param in a later group is then named with no
+    param re-pointed and every byte as it was."""
     from ztriton.flatten import groups as groups_module
     from ztriton.kernels import turns as turns_module
 
     monkeypatch.setattr(turns_module, "LEAD_BYTES", 32 * 4)
     steps = []
-    for owner, name in ((turns_module, "_copy_lead"), (turns_module, "pack_pieces"),
+    for owner, name in ((turns_module, "_copy_lead"), (turns_module, "pack_pieces"), (turns_module, "run_plan"),
                         (groups_module, "_check_params")):
         monkeypatch.setattr(owner, name, lambda *a, _real=getattr(owner, name), _name=name, **k:
                             steps.append(_name) or _real(*a, **k))
@@ -696,7 +696,7 @@ def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fa
     before = [(p, p.data_ptr(), _raw_bits(p)) for p in first + second]
     if fault is None:
         result = ztriton.flatten_groups([first, second], tier="device")
-        assert steps[:3] == ["_copy_lead", "_check_params", "pack_pieces"] and steps.count("_check_params") == 1
+        assert steps == ["_copy_lead", "pack_pieces", "_check_params", "run_plan", "pack_pieces", "run_plan"]
         for fg in result:
             for p, offset in zip(fg.params, fg.offsets):
                 _, _, values = next(b for b in before if b[0] is p)
@@ -706,7 +706,7 @@ def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fa
                "negated": r"param_groups\[1\] params\[1\] is a lazy conjugate or negated view"}[fault]
     with pytest.raises((TypeError, ValueError), match=message):
         ztriton.flatten_groups([first, second], tier="device")
-    assert steps == ["_copy_lead", "_check_params"]  # during group 0's lead; its pack went no further
+    assert steps == ["_copy_lead", "pack_pieces", "_check_params"]  # during group 0's lead, before its plan
     for p, ptr, values in before:
         assert p.data_ptr() == ptr and torch.equal(_raw_bits(p), values)
 

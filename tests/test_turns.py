@@ -942,13 +942,15 @@ def _steps(monkeypatch, module=turns_module) -> list[str]:
     return steps
 
 
-@pytest.mark.parametrize("first", ["lead", "first turn by room", "nothing first", "not fresh"])
-def test_meanwhile_runs_once_after_the_first_copies_and_before_the_job_is_read(monkeypatch, first):
+@pytest.mark.parametrize("first", ["lead", "lead, then turns", "first turn by room", "nothing first", "not fresh"])
+def test_meanwhile_runs_once_the_device_has_the_first_copies(monkeypatch, first):
+    """Fresh: after the lead and the first of the turns where the job goes in turns, else before its one plan
+    after the lead; not fresh: before the job is read."""
     from ztriton.kernels import ops as ops_module
 
-    if first == "lead":
+    if first.startswith("lead"):
         monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 4)
-        counts = [3, 9, 1, 12, 2, 16, 4]
+        counts = [3, 9, 1, 12, 2, 16, 4] * (N // 7 if first == "lead, then turns" else 1)
         sources = _sized_sources(counts, dtype=torch.float32, seed=12)
         offsets = np.concatenate([[0], np.cumsum([n + 1 for n in counts])[:-1]]).tolist()
         dst = torch.full((sum(counts) + len(counts),), 7.0, device=DEVICE)
@@ -959,8 +961,10 @@ def test_meanwhile_runs_once_after_the_first_copies_and_before_the_job_is_read(m
         sources, offsets, dst = _roomy_pack()
     steps = _steps(monkeypatch, ops_module if first == "not fresh" else turns_module)
     pack(dst, sources, offsets, fresh=first != "not fresh", meanwhile=lambda: steps.append("meanwhile"))
-    expected = {"lead": ["lead", "meanwhile", "job read"], "first turn by room": ["plan", "meanwhile", "job read"],
-                "nothing first": ["meanwhile", "job read"], "not fresh": ["meanwhile", "job read"]}[first]
+    expected = {"lead": ["lead", "job read", "meanwhile"],
+                "lead, then turns": ["lead", "job read", "plan", "meanwhile", "plan"],
+                "first turn by room": ["plan", "job read", "plan", "meanwhile", "plan"],
+                "nothing first": ["job read", "meanwhile"], "not fresh": ["meanwhile", "job read"]}[first]
     assert steps[:len(expected)] == expected and steps.count("meanwhile") == 1
     assert is_the_pack(dst, sources, offsets)
 
@@ -988,7 +992,8 @@ def test_what_meanwhile_raises_propagates_and_comes_before_a_first_turns_error(m
 
     with pytest.raises(_CallersCheck):
         pack(dst, sources, offsets, fresh=True, meanwhile=refuse)
-    assert steps == [{"lead": "lead", "first turn by room": "plan"}[first], "meanwhile"]
+    assert steps[0] == {"lead": "lead", "first turn by room": "plan"}[first]
+    assert steps[-1] == "meanwhile" and steps.count("meanwhile") == 1
     if first == "first turn by room":  # without a caller's check: the one plan's error, naming that source
         with pytest.raises(TypeError) as one_plan:
             pack(torch.empty_like(dst), sources, offsets)
