@@ -711,6 +711,51 @@ def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fa
         assert p.data_ptr() == ptr and torch.equal(_raw_bits(p), values)
 
 
+@pytest.mark.parametrize("fault", ["dtype", "negated", "meta"])
+def test_a_bad_param_in_the_first_turn_is_named_by_the_flatten(monkeypatch, fault):
+    """A group that goes in turns, its bad param among the first turn's: the kernels' plan refuses it before the
+    device tier's checks ran, and the flatten's own error (naming the group and param) is the one raised, with every
+    param as it was. dtype: a TypeError; negated, meta: ValueErrors."""
+    from ztriton.kernels import turns as turns_module
+
+    monkeypatch.setattr(turns_module, "MIN_MEAN_BYTES", 0)
+    params = [torch.nn.Parameter(bits_tensor((1 + k % 5,), torch.float32, 43, k)) for k in range(200)]
+    params[3] = torch.nn.Parameter({"dtype": lambda: bits_tensor((40,), torch.float64, 44),
+                                    "negated": lambda: bits_tensor((40,), torch.float32, 44)._neg_view(),
+                                    "meta": lambda: torch.empty(40, device="meta")}[fault]())
+    planned = []  # the sources of each plan the pack makes
+    real = turns_module.make_plan
+    monkeypatch.setattr(turns_module, "make_plan", lambda dst, pieces, *a, **k:
+                        planned.append([id(s) for s in pieces.sources]) or real(dst, pieces, *a, **k))
+    before = [(p, p.data_ptr(), None if p.is_meta else _raw_bits(p)) for p in params]
+    message = {"dtype": r"param_groups\[0\] mixes dtypes: params\[0\] is torch.float32, params\[3\] is torch.float64",
+               "negated": r"param_groups\[0\] params\[3\] is a lazy conjugate or negated view",
+               "meta": r"param_groups\[0\] mixes devices: params\[0\] is on cpu, params\[3\] on meta"}[fault]
+    with pytest.raises(TypeError if fault == "dtype" else ValueError, match=message):
+        ztriton.flatten_groups([params], tier="device")
+    assert id(params[3]) in planned[0]  # the biggest: in the first turn, whose plan refused it
+    for p, ptr, values in before:
+        assert p.data_ptr() == ptr and (values is None or torch.equal(_raw_bits(p), values))
+
+
+def test_a_check_that_runs_out_of_memory_is_raised_not_taken_for_the_tiers(monkeypatch, caplog):
+    """The kernels' check of a strided param allocates a scratch element; if that fails while the device tier
+    copies, the error is the check's, raised as it is: no tier is tried after it and no param moved."""
+    params = [_p(5), torch.nn.Parameter(torch.randn(8, 8).t()), _p(3)]
+    before = [(p, p.data_ptr(), bits(p).clone()) for p in params]
+
+    def no_scratch(what):
+        if what == "kernel check scratch":
+            raise OutOfMemory("could not allocate the kernel check scratch (injected)")
+
+    monkeypatch.setattr(memory, "fault_hook", no_scratch)
+    with caplog.at_level("WARNING", logger="ztriton"), pytest.raises(torch.OutOfMemoryError, match="check scratch"):
+        ztriton.flatten_groups([params])
+    assert "trying the next tier" not in caplog.text
+    for p, ptr, values in before:
+        assert p.data_ptr() == ptr and torch.equal(bits(p), values)
+
+
 def _check_fails_on_one_gloo_rank(rank, world_size):
     """Rank 1 alone holds a param of another dtype in its group: it raises the check's error with no param moved,
     rank 0 a RuntimeError saying it failed on another rank; neither hangs. Rank 0 checked its own params while its

@@ -931,10 +931,11 @@ def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monk
 
 
 def _steps(monkeypatch, module=turns_module) -> list[str]:
-    """Record, in order, the lead's copies, the plans made and the reads of the whole job (``pack_pieces``) of
-    ``module``'s packs; a test appends its own steps to the same list."""
+    """Record, in order, the lead's copies, the plans made (a turn's, or one plan run whole), and the reads of the
+    whole job (``pack_pieces``) of ``module``'s packs; a test appends its own steps to the same list."""
     steps = []
-    for name, label in (("_copy_lead", "lead"), ("make_plan", "plan"), ("pack_pieces", "job read")):
+    for name, label in (("_copy_lead", "lead"), ("make_plan", "plan"), ("run_plan", "one plan"),
+                        ("pack_pieces", "job read")):
         real = getattr(module, name, None)
         if real is not None:
             monkeypatch.setattr(module, name, lambda *a, _real=real, _label=label, **k:
@@ -961,10 +962,11 @@ def test_meanwhile_runs_once_the_device_has_the_first_copies(monkeypatch, first)
         sources, offsets, dst = _roomy_pack()
     steps = _steps(monkeypatch, ops_module if first == "not fresh" else turns_module)
     pack(dst, sources, offsets, fresh=first != "not fresh", meanwhile=lambda: steps.append("meanwhile"))
-    expected = {"lead": ["lead", "job read", "meanwhile"],
+    expected = {"lead": ["lead", "job read", "meanwhile", "one plan"],
                 "lead, then turns": ["lead", "job read", "plan", "meanwhile", "plan"],
                 "first turn by room": ["plan", "job read", "plan", "meanwhile", "plan"],
-                "nothing first": ["job read", "meanwhile"], "not fresh": ["meanwhile", "job read"]}[first]
+                "nothing first": ["job read", "meanwhile", "one plan"],
+                "not fresh": ["meanwhile", "job read", "one plan"]}[first]
     assert steps[:len(expected)] == expected and steps.count("meanwhile") == 1
     assert is_the_pack(dst, sources, offsets)
 

@@ -184,12 +184,16 @@ class _ParamChecks:
 
     __slots__ = ("fit", "no_shared_memory")
 
-    def __init__(self, fit: Callable[[], None], no_shared_memory: Callable[[], None]) -> None:
+    def __init__(self, fit: _Once, no_shared_memory: _Once) -> None:
         self.fit, self.no_shared_memory = fit, no_shared_memory
 
     def before_moving(self) -> None:
         self.fit()
         self.no_shared_memory()
+
+    def raised(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a check's own failure (an allocation of its scratch, say), not the tier's."""
+        return exc is self.fit.error or exc is self.no_shared_memory.error
 
 
 class _Once:
@@ -419,6 +423,8 @@ def _build(g: Group, world: World, forced: Tier | None, options: Options, checks
         try:
             flat = TIERS[tier](g, inputs)
         except torch.OutOfMemoryError as exc:
+            if checks.raised(exc):  # raised by the checks the device tier runs while it copies: nothing moved
+                raise
             failures.append(f"{tier.value}: {exc}")
             logger.warning("ztriton flatten group %d: tier %s failed (%s); trying the next tier",
                            g.index, tier.value, exc)
