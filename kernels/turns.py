@@ -280,7 +280,7 @@ def run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[
     meanwhile = meanwhile if isinstance(meanwhile, _Meanwhile) else _Meanwhile(meanwhile)
     with meanwhile.first_on_error():
         _run_fresh(dst, pieces, zero_ranges, what, done, first_turn, meanwhile)
-    meanwhile()  # where nothing was copied
+    meanwhile()  # every path above runs it; this only makes sure
 
 
 def _run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence[tuple[int, int]], what: str,
@@ -324,7 +324,7 @@ def _run_fresh(dst: torch.Tensor, pieces: Sequence[Piece], zero_ranges: Sequence
             # take torch's copies, with a view per zero range, and thousands of pads would cost milliseconds.
             make_plan(dst, rest.take(indices, distinct=True), zeros_now, KERNELS_ONLY, what=what,
                       run_now=True).launch()
-        meanwhile()
+        meanwhile()  # after the first turn's launch (then it does nothing)
 
 
 def _may_lead(dst: torch.Tensor, pieces: PackPieces) -> bool:

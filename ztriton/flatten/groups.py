@@ -171,9 +171,8 @@ def flatten_groups(param_groups: Sequence[Any], group: Any = None, *, round_robi
     forced, options, lists, groups = agreed(world, checks, "flatten_groups: checking the param groups")
     # The checks of the params themselves guard what moves, not the device tier's pack, which only reads them into
     # a new buffer: they run before the first param moves, the device tier's while its first copies run.
-    params_fit = _Once(lambda: _check_params(groups, lists))
-    no_shared_memory = _Once(lambda: _check_no_shared_memory(groups, lists))
-    checks = _ParamChecks(params_fit, no_shared_memory)
+    checks = _ParamChecks(_Once(lambda: _check_params(groups, lists)),
+                          _Once(lambda: _check_no_shared_memory(groups, lists)))
     return [_flatten_group(g, world, forced, options, checks, repoint) for g in groups]
 
 
