@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import ztriton
 from ds_reference import (BitsModule, bits, bits_tensor, groups_of, has_parameter_alignment, keeps_empty_params_in_groups,
                           zero12_reference)
+from factories import record_calls
 from worlds import fake_world
 from ztriton import memory, policy, staging
 from ztriton.flatten import tiers as F
@@ -687,11 +688,9 @@ def test_the_device_tiers_param_checks_run_while_its_lead_copies(monkeypatch, fa
     from ztriton.kernels import turns as turns_module
 
     monkeypatch.setattr(turns_module, "LEAD_BYTES", 32 * 4)
-    steps = []
-    for owner, name in ((turns_module, "_copy_lead"), (turns_module, "pack_pieces"), (turns_module, "run_plan"),
-                        (groups_module, "_check_params")):
-        monkeypatch.setattr(owner, name, lambda *a, _real=getattr(owner, name), _name=name, **k:
-                            steps.append(_name) or _real(*a, **k))
+    steps = record_calls(monkeypatch, [(owner, name, name) for owner, name in (
+        (turns_module, "_copy_lead"), (turns_module, "pack_pieces"), (turns_module, "run_plan"),
+        (groups_module, "_check_params"))])
     first, second = _lead_job(fault)
     before = [(p, p.data_ptr(), _raw_bits(p)) for p in first + second]
     if fault is None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from factories import random_bits
+from factories import random_bits, record_calls
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
 from ztriton.kernels import torch_route
@@ -933,14 +933,8 @@ def test_a_bad_source_where_the_kernels_cannot_run_gets_the_one_plans_error(monk
 def _steps(monkeypatch, module=turns_module) -> list[str]:
     """Record, in order, the lead's copies, the plans made (a turn's, or one plan run whole), and the reads of the
     whole job (``pack_pieces``) of ``module``'s packs; a test appends its own steps to the same list."""
-    steps = []
-    for name, label in (("_copy_lead", "lead"), ("make_plan", "plan"), ("run_plan", "one plan"),
-                        ("pack_pieces", "job read")):
-        real = getattr(module, name, None)
-        if real is not None:
-            monkeypatch.setattr(module, name, lambda *a, _real=real, _label=label, **k:
-                                steps.append(_label) or _real(*a, **k))
-    return steps
+    steps = (("_copy_lead", "lead"), ("make_plan", "plan"), ("run_plan", "one plan"), ("pack_pieces", "job read"))
+    return record_calls(monkeypatch, [(module, name, label) for name, label in steps if hasattr(module, name)])
 
 
 @pytest.mark.parametrize("first", ["lead", "lead, then turns", "first turn by room", "nothing first", "not fresh"])
