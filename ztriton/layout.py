@@ -186,7 +186,7 @@ def zero12_group_layout(
     """
     _check_list("numels", numels)
     # One pass for the common case (thousands of params); the loops below only name the culprit.
-    if not all(type(n) is int and n >= 0 for n in numels):
+    if not (set(map(type, numels)) <= {int} and min(numels, default=0) >= 0):
         for i, numel in enumerate(numels):
             _check_numel(f"numels[{i}]", numel)
     _check_world(world_size)
@@ -194,7 +194,7 @@ def zero12_group_layout(
         _check_list("trainable", trainable)
         if len(trainable) != len(numels):
             raise ValueError(f"trainable has {len(trainable)} entries but numels has {len(numels)}")
-        if not all(type(flag) is bool for flag in trainable):
+        if not set(map(type, trainable)) <= {bool}:
             for i, flag in enumerate(trainable):
                 _check_flag(f"trainable[{i}]", flag)
     _check_flag("round_robin", round_robin)

@@ -257,8 +257,7 @@ def _prepare(index: int, params: list[torch.Tensor], world_size: int, round_robi
     """
     numels = each("numel", params)
     trainable = list(map(_REQUIRES_GRAD, params))
-    members = [j for j in range(len(params)) if trainable[j] and numels[j] > 0]
-    first = params[members[0]] if members else (params[0] if params else None)
+    first = next((p for p, n, t in zip(params, numels, trainable) if t and n > 0), params[0] if params else None)
     dtype = first.dtype if first is not None else torch.get_default_dtype()
     device = first.device if first is not None else torch.device("cpu")
     layout = zero12_group_layout(numels, world_size, element_size=dtype.itemsize,
