@@ -41,7 +41,12 @@ ZERO3_LINES = ("ztriton: zero.Init:", "from_pretrained under ZeRO-3 reads each r
 ZERO2_LINES = ("init-time flatten goes through ztriton.flatten_groups", "ztriton: ZeRO-1/2 flatten, group 0:",
                "ztriton: ZeRO-1/2 flatten, group 1:")
 # Mixtral's experts run through grouped_mm, which needs 16-byte strides: intermediate 16 instead of hf_models' 13.
-CHECKPOINT_OVERRIDES = {"llama": {}, "mixtral": {"intermediate_size": 16}}
+# Three layers: the ZeRO-2 flatten's first group then holds more params than Tuning.torch_pieces (16), so that every
+# client's key-on run launches the Triton kernels (KERNEL_JOBS).
+CHECKPOINT_OVERRIDES = {"llama": {"num_hidden_layers": 3}, "mixtral": {"intermediate_size": 16, "num_hidden_layers": 3}}
+# The summaries of the jobs of more than Tuning.torch_pieces pieces in these models: the Triton kernels copy them
+# (from_pretrained's jobs here are each param's few checkpoint slices: torch's copies).
+KERNEL_JOBS = ("ZeRO-1/2 flatten, group 0:", "ZeRO-3 lp_param_buffer (defragment):")
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,15 @@ def test_summary_lines_on_rank0_only_with_the_key(runs, client, model):
         assert sum(summary in line for line in rank0) == 1, (summary, rank0)
     assert on.lines(1) == [] and on.lines() == [], (on.lines(1), on.lines())
     assert [off.lines(rank) for rank in (0, 1, None)] == [[], [], []]
+
+
+@pytest.mark.parametrize("client,model", CASES)
+def test_the_triton_kernels_run_in_every_client(runs, client, model):
+    rank0 = runs.get(client, model, True).lines(0)
+    jobs = [line for line in rank0 if any(job in line for job in KERNEL_JOBS)]
+    assert len(jobs) == 1, rank0
+    launches = re.search(r"route=triton, launches=(\d+)", jobs[0])
+    assert launches is not None and int(launches.group(1)) > 0, jobs[0]
 
 
 @pytest.mark.parametrize("client,model", CASES)
