@@ -45,6 +45,26 @@ def test_readme_recipes_run_as_written(tmp_path):
         assert "ztriton: ZeRO-3 lp_param_buffer (defragment)" in done.stdout, done.stdout
         assert "ztriton: ZeRO-1/2 flatten, group 0: tier=device" in done.stdout, done.stdout
         assert done.stdout.count("step 2: loss") == 2, done.stdout
+        # the README's sample of that log line has today's fields (its figures aside)
+        assert re.search(sample_line_pattern(README.read_text()), done.stdout), done.stdout
+
+
+def sample_line_pattern(readme: str) -> str:
+    """The README's sample summary line of the defragment as a pattern: its text as written, any figure matching."""
+    sample = re.search(r"^\[\.\.\.\] (\[INFO\] .*ztriton: ZeRO-3 lp_param_buffer \(defragment\): .*)$", readme, re.M)
+    assert sample is not None, "the README shows no sample defragment line"
+    return re.sub(r"\d+(\\\.\d+)?", r"\\d+(?:\\.\\d+)?", re.escape(sample.group(1)))
+
+
+def test_sample_line_pattern_matches_only_the_same_fields():
+    readme = ("[...] [INFO] [optimizers.py:133:stage3_defragment] ztriton: ZeRO-3 lp_param_buffer (defragment): "
+              "tier=packed, 64.6 KiB in 10.3 ms (0.01 GB/s), peak device n/a, route=torch, tensors=4\n")
+    pattern = sample_line_pattern(readme)
+    real = ("[2026-12-07 08:36:20,031] [INFO] [optimizers.py:140:stage3_defragment] ztriton: ZeRO-3 lp_param_buffer "
+            "(defragment): tier=packed, 7.5 KiB in 2.1 ms (0.00 GB/s), peak device n/a, route=torch, tensors=12")
+    assert re.search(pattern, real)
+    assert not re.search(pattern, real.replace(" route=torch,", ""))
+    assert not re.search(pattern, real.replace("tier=packed", "tier=in place"))
 
 
 # The README's commands for examples/: each names a script there and only flags that script accepts.

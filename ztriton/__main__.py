@@ -1,4 +1,5 @@
-"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W] [--json PATH] [--verbose]``.
+"""Command line: ``python -m ztriton demo [--device cpu|cuda] [--world-size W] [--json PATH] [--verbose]`` and
+``python -m ztriton compile`` (the compiled cache, :mod:`ztriton.compile`).
 
 The demo builds a built-in MoE-shaped model and runs ZeRO's load-time data movements with the
 DeepSpeed config key "partition_backend" off (DeepSpeed's own code) and on (ztriton): zero.Init, the

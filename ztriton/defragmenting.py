@@ -8,8 +8,8 @@ same contract and result, bit for bit, but:
 
 * moves nothing when the tensors already are consecutive views that fill one allocation (what
   ``ztriton.partition`` builds for a module whose params all go to one optimizer sub-group);
-* otherwise packs them device to device with one kernel launch into a new buffer (the **device**
-  tier), when free memory holds that buffer beside the partitions;
+* otherwise packs them device to device into a new buffer (the **device** tier: one
+  ``kernels.pack(..., fresh=True)``, the biggest first), when free memory holds that buffer beside the partitions;
 * otherwise (**evict**) moves just enough whole allocations to host memory to make room, and
   packs the rest device to device: one pinned round trip (the staging spill: one DMA per tensor each
   way, no host copy) for only what must move.

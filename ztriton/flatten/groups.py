@@ -1,4 +1,4 @@
-"""ZeRO-1/2 flatten: each optimizer group's params into one aligned flat buffer, as DeepSpeed 0.19.8 lays it out.
+"""ZeRO-1/2 flatten: each optimizer group's params into one aligned flat buffer, as DeepSpeed 0.18-0.19 lays it out.
 
 :func:`flatten_groups` does what ``DeepSpeedZeroOptimizer.__init__`` does to each param group (see
 ``docs/architecture.md``): the trainable, non-empty params, optionally in round-robin order, end to
@@ -6,13 +6,13 @@ end with optional 16-byte alignment pads and a zero tail up to a multiple of ``2
 every param's ``.data`` becomes its view of that buffer. The bytes equal DeepSpeed's
 ``bit16_groups_flat``; how they get there depends on memory (``docs/architecture.md``):
 
-* ``device``: allocate the flat buffer beside the params, one pack launch (pads zeroed in the same
-  pass). Device peak: params + buffer, 2M for a group of M bytes.
+* ``device``: allocate the flat buffer beside the params, one ``kernels.pack(..., fresh=True)`` (the biggest
+  pieces first, pads zeroed). Device peak: params + buffer, 2M for a group of M bytes.
 * ``distributed`` (W > 1): pack only this rank's 1/W window into a partition buffer, free the params,
   allocate the flat buffer and all-gather the partitions into it. Peak M + M/W. Collective: every
   rank of ``group`` takes it together.
 * ``evict``: move just enough params to (pinned) host memory for the flat buffer to fit, pack the
-  rest device to device and copy the evicted ones host to device in chunks. Peak at most what is free.
+  rest device to device and copy each evicted one back from the pinned spill (one DMA each). Peak at most what is free.
 * ``host``: copy every param into one (pinned) host buffer, free them, allocate the flat buffer and
   copy once. Device peak M.
 
