@@ -12,7 +12,8 @@ every param's ``.data`` becomes its view of that buffer. The bytes equal DeepSpe
   allocate the flat buffer and all-gather the partitions into it. Peak M + M/W. Collective: every
   rank of ``group`` takes it together.
 * ``evict``: move just enough params to (pinned) host memory for the flat buffer to fit, pack the
-  rest device to device and copy each evicted one back from the pinned spill (one DMA each). Peak at most what is free.
+  rest device to device and copy each evicted one back from the pinned spill (one DMA each). Peak at most
+  what is free.
 * ``host``: copy every param into one (pinned) host buffer, free them, allocate the flat buffer and
   copy once. Device peak M.
 
