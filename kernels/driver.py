@@ -13,7 +13,7 @@ import ctypes
 import functools
 import threading
 
-__all__ = ["DriverError", "Function", "copy_bytes", "load"]
+__all__ = ["DriverError", "Function", "load"]
 
 # Above this much shared memory a kernel must opt in to more (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), as
 # Triton's own loader does.
@@ -51,7 +51,6 @@ def _libcuda() -> ctypes.CDLL:
         "cuFuncGetAttribute": [ctypes.POINTER(i), i, p],
         "cuFuncSetAttribute": [p, i, i],
         "cuFuncSetCacheConfig": [p, i],
-        "cuMemcpyDtoDAsync_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, p],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -84,13 +83,6 @@ def _make_current(device_index: int) -> None:
     _check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
     _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
     _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-
-def copy_bytes(device_index: int, dst: int, src: int, nbytes: int, stream: int) -> None:
-    """``nbytes`` from device address ``src`` to ``dst`` of one device, queued on ``stream`` (a handle) as a
-    ``copy_`` of the same bytes is, without the host time of torch's views and dispatch."""
-    _make_current(device_index)
-    _check(_libcuda().cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
 
 class Function:

@@ -46,7 +46,6 @@ import numpy as np
 
 import torch
 
-from . import driver
 from .checks import as_zero_ranges, check_disjoint, check_dst, each_int64
 from .pieces import PackPieces, Piece, known_disjoint, pack_pieces
 from .plan import check_launchable, make_plan, run_plan
@@ -373,12 +372,9 @@ def lead(dst: torch.Tensor, pieces: PackPieces) -> np.ndarray:
 
 
 def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None:
-    """Copy the pieces ``first`` (checked by :func:`lead`) as bytes, one memcpy each, whatever the dtype (bits move
-    unchanged), issued on the current stream as the plans after it are: on CUDA through the driver, else (or
-    where the driver refuses) one ``copy_`` each."""
+    """Copy the pieces ``first`` (checked by :func:`lead`) as bytes, one ``copy_`` each: a memcpy, whatever the
+    dtype (bits move unchanged), issued on the current stream as the plans after it are."""
     itemsize = dst.element_size()
-    if dst.is_cuda and _copy_lead_by_driver(dst, pieces, first, itemsize):
-        return
     inference = dst.is_inference() and not torch.is_inference_mode_enabled()
     with torch_copies_lock(), torch.inference_mode() if inference else torch.no_grad():
         out = flat_bytes(dst)
@@ -389,24 +385,6 @@ def _copy_lead(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray) -> None
             # Contiguous: its elements are its storage's from its offset on, whatever strides its size-1 dims carry.
             flat = src.as_strided((src.numel(),), (1,), src.storage_offset()).view(torch.uint8)
             out.narrow(0, offset, count).copy_(flat.narrow(0, start, count))
-
-
-def _copy_lead_by_driver(dst: torch.Tensor, pieces: PackPieces, first: np.ndarray, itemsize: int) -> bool:
-    """The lead's memcpys through the CUDA driver: a ``copy_`` with its byte views costs several times its host
-    time, all of it before the device starts. False where the driver fails (the copies then go through torch:
-    the same bytes again)."""
-    stream = torch.cuda.current_stream(dst.device).cuda_stream
-    base = dst.data_ptr()
-    try:
-        with torch_copies_lock():
-            for i in first.tolist():
-                src = pieces.sources[i]
-                driver.copy_bytes(dst.device.index, base + int(pieces.offset[i]) * itemsize,
-                                  src.data_ptr() + int(pieces.start[i]) * itemsize, int(pieces.count[i]) * itemsize,
-                                  stream)
-    except (driver.DriverError, OSError):  # OSError: no libcuda to load
-        return False
-    return True
 
 
 @contextmanager

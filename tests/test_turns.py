@@ -14,7 +14,6 @@ from factories import random_bits, record_calls
 from ztriton.kernels import bits, pack, pack_slices, torch_pack, torch_pack_slices
 from ztriton.kernels import plan as plan_module
 from ztriton.kernels import torch_route
-from ztriton.kernels import driver as driver_module
 from ztriton.kernels import turns as turns_module
 from ztriton.kernels.pieces import PackPieces, pack_pieces, slices_to_pieces
 from ztriton.kernels.turns import FIRST_TURN, GROWTH, MIN_PIECES, schedule, turns
@@ -648,40 +647,6 @@ def test_the_biggest_pieces_lead_biggest_first_and_the_rest_is_planned_in_order(
         assert not one_plan and sorted(id(s) for p, _, _ in made for s in p.sources) == sorted(rest)
     else:  # one plan of the rest, in the job's order
         assert len(one_plan) == 1 and [id(s) for s in one_plan[0].sources] == rest
-    expected = torch.empty_like(dst)
-    pack(expected, sources, offsets)
-    assert torch.equal(bits(dst), bits(expected))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fails_at", [None, 0, 2], ids=["driver", "first copy refused", "third copy refused"])
-def test_a_cuda_lead_is_copied_by_the_driver_else_by_torch(monkeypatch, fails_at):
-    """On CUDA the lead's memcpys go through the driver, each source's bytes at its offset (views one element into
-    their storage among them); where the driver refuses one, torch copies the whole lead: the same bytes."""
-    monkeypatch.setattr(turns_module, "LEAD_BYTES", 8 * 2)  # 8 bf16 elements
-    counts = [3, 9, 1, 12, 8, 7, 12, 2, 10]
-    sources = _sized_sources(counts, seed=5)
-    offsets, at = [], 1
-    for s in sources:
-        offsets.append(at)
-        at += s.numel() + 1
-    calls = []
-    real = driver_module.copy_bytes
-
-    def copy_bytes(*args):
-        calls.append(args)
-        if len(calls) - 1 == fails_at:
-            raise driver_module.DriverError("injected")
-        real(*args)
-
-    monkeypatch.setattr(driver_module, "copy_bytes", copy_bytes)
-    dst = torch.full((at,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    pack(dst, sources, offsets, fresh=True)
-    big = sorted((k for k, n in enumerate(counts) if n >= 8), key=lambda k: -counts[k])
-    assert len(calls) == (len(big) if fails_at is None else fails_at + 1)
-    if fails_at is None:  # biggest first, each whole at its own offset (bytes of bf16)
-        assert [(c[1] - dst.data_ptr(), c[2], c[3]) for c in calls] == [
-            (offsets[k] * 2, sources[k].data_ptr(), counts[k] * 2) for k in big]
     expected = torch.empty_like(dst)
     pack(expected, sources, offsets)
     assert torch.equal(bits(dst), bits(expected))
